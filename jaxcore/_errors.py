@@ -1,0 +1,23 @@
+"""Error classes of jaxcore: each names what was expected, what came in, and the fix."""
+
+from __future__ import annotations
+
+
+class JaxCoreError(Exception):
+    """Base class of every error jaxcore raises on bad input."""
+
+
+class MeshError(JaxCoreError, ValueError):
+    """Mesh axes that do not fit the available devices."""
+
+
+class ShardingError(JaxCoreError, ValueError):
+    """A partition rule that does not fit a parameter."""
+
+
+class BatchError(JaxCoreError, ValueError):
+    """A batch whose keys, shapes or dtypes do not match what the step expects."""
+
+
+class ConfigError(JaxCoreError, ValueError):
+    """An optimizer or step option that jaxcore does not know."""

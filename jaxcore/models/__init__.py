@@ -1,0 +1,1 @@
+"""Flax models of the recipes, one module per recipe name."""

@@ -1,0 +1,63 @@
+"""Smoke test: the real `coreshell train` command on a tiny config into a temporary store."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+from safetensors.torch import load_file
+
+from torchshell.twins.digits import MLP as TwinMLP
+
+
+def test_coreshell_train_end_to_end(tmp_path: Path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "train",
+        "trainer.max_steps=300",
+        "trainer.enable_progress_bar=false",
+        f"tracking.uri={uri}",
+        "tracking.experiment=smoke",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "mlflow ui --backend-store-uri" in proc.stdout
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("smoke")
+    (run,) = client.search_runs([exp.experiment_id])
+    losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert len(losses) >= 10 and losses[-1] < losses[0] / 3
+    assert run.data.metrics["val/accuracy"] > 0.9
+    assert run.data.metrics["export/parity_max_abs_diff"] < 1e-5
+    assert run.data.params["optim.name"] == "adamw"
+
+    local = client.download_artifacts(run.info.run_id, "export", str(tmp_path / "dl"))
+    twin = TwinMLP()
+    twin.load_state_dict(load_file(Path(local) / "model.safetensors"), strict=True)
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_unknown_config_key_fails_before_work(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchshell.cli", "train", "optim.lrr=1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "lrr" in proc.stderr
+    assert not (tmp_path / "mlflow.db").exists()

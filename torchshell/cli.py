@@ -1,0 +1,158 @@
+"""The ``coreshell`` command: ``coreshell train [hydra overrides]``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig, OmegaConf
+
+import jaxcore
+from jaxcore import losses
+from torchshell.config import register_configs
+from torchshell.export import export_twin, max_abs_diff
+from torchshell.module import JaxModule
+
+USAGE = """usage: coreshell train [OVERRIDES...]
+
+  train    train with the Hydra config in conf/ (e.g. trainer.max_steps=200 optim.lr=1e-3)
+           add --cfg job to print the resolved config, -m for a multirun sweep
+"""
+
+
+def config_dir() -> Path:
+    """The Hydra config tree: ``torchshell/conf`` in a wheel, ``conf/`` in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"No config.yaml under {here / 'conf'} or {here.parent / 'conf'}: "
+        "the install is incomplete. Fix: reinstall coreshell."
+    )
+
+
+def _flatten(cfg: DictConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            out[prefix] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _loss(name: str) -> Any:
+    fn = getattr(losses, name, None)
+    if not callable(fn):
+        known = [n for n in dir(losses) if not n.startswith("_") and n != "annotations"]
+        raise ValueError(
+            f"Unknown loss {name!r}; expected one of {known}. Fix: set model.loss to one of them."
+        )
+    return fn
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Runs one training job from a resolved config; returns the run's summary.
+
+    Args:
+        cfg: the composed Hydra config (see ``conf/config.yaml``).
+
+    Returns:
+        ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
+    """
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    data = instantiate(cfg.data, seed=cfg.seed)
+    flax_model = instantiate(cfg.model.flax, _convert_="all")
+    twin = instantiate(cfg.model.twin, _convert_="all")
+    module = JaxModule(
+        flax_model,
+        _loss(cfg.model.loss),
+        jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim)),
+        mesh=jaxcore.make_mesh(dict(cfg.mesh.axes)),
+        inputs=list(cfg.model.inputs),
+        seed=cfg.seed,
+    )
+    logger = MLFlowLogger(
+        experiment_name=cfg.tracking.experiment,
+        tracking_uri=cfg.tracking.uri,
+        run_name=cfg.tracking.run_name,
+    )
+    logger.log_hyperparams(_flatten(cfg))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        default_root_dir=str(out_dir),
+        **OmegaConf.to_container(cfg.trainer),
+    )
+    trainer.fit(module, datamodule=data)
+    if cfg.test_after_fit:
+        trainer.test(module, datamodule=data, verbose=False)
+
+    assert module.state is not None
+    export_path = export_twin(module.state.params, twin, out_dir / "export" / "model.safetensors")
+    batch = next(iter(data.test_dataloader()))
+    jax_logits = module.predict_step(batch, 0)
+    with torch.no_grad():
+        torch_logits = twin(*(batch[k] for k in cfg.model.inputs))
+    parity = max_abs_diff(jax_logits.numpy(), torch_logits)
+    logger.log_metrics({"export/parity_max_abs_diff": parity})
+    config_file = out_dir / "config.yaml"
+    OmegaConf.save(cfg, config_file)
+    client, run_id = logger.experiment, logger.run_id
+    client.log_artifact(run_id, str(config_file))
+    client.log_artifact(run_id, str(export_path), "export")
+    logger.finalize("success")
+    metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
+    print(f"\nMLflow run {run_id} in {cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})")
+    print("  metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    print(f"  torch twin weights: {export_path} (parity max abs diff {parity:.2e})")
+    if cfg.tracking.uri.startswith("sqlite:"):
+        print(f"  open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+    return {
+        "run_id": run_id,
+        "tracking_uri": cfg.tracking.uri,
+        "export": str(export_path),
+        "parity_max_abs_diff": parity,
+        "metrics": metrics,
+    }
+
+
+def _train_main(argv: Sequence[str]) -> None:
+    import hydra
+
+    register_configs()
+    sys.argv = [f"{Path(sys.argv[0]).name} train", *argv]
+    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(train)()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``coreshell`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command, rest = args[0], args[1:]
+    if command == "train":
+        _train_main(rest)
+    else:
+        print(f"coreshell: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

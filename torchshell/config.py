@@ -1,0 +1,90 @@
+"""Dataclass schemas of the Hydra config: a typo or a wrong type fails before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class OptimConfig:
+    """Arguments of :func:`jaxcore.make_optimizer`."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    momentum: float = 0.9
+    clip_norm: float | None = None
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+
+
+@dataclass
+class MeshConfig:
+    """Mesh axes (``-1`` fills with the remaining devices)."""
+
+    axes: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of ``lightning.Trainer``, with Lightning's own names."""
+
+    max_steps: int = -1
+    max_epochs: int | None = None
+    log_every_n_steps: int = 50
+    val_check_interval: Any = None
+    check_val_every_n_epoch: int | None = 1
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
+    limit_test_batches: Any = None
+    num_sanity_val_steps: int = 0
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+    enable_checkpointing: bool = False
+    deterministic: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    """Where the run is tracked: MLflow's local SQLite store by default."""
+
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "coreshell"
+    run_name: str | None = None
+
+
+@dataclass
+class ModelConfig:
+    """The Flax model, its torch twin (export target), the batch keys it reads, the loss."""
+
+    flax: Any = MISSING
+    twin: Any = MISSING
+    inputs: list[str] = field(default_factory=lambda: ["x"])
+    loss: str = "softmax_cross_entropy"
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    data: Any = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    seed: int = 0
+    test_after_fit: bool = True
+
+
+def register_configs() -> None:
+    """Registers the schemas with Hydra's ConfigStore (called by the CLI, not at import)."""
+    cs = ConfigStore.instance()
+    cs.store(name="coreshell_schema", node=Config)

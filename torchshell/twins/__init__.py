@@ -1,0 +1,1 @@
+"""Torch twins of the recipe models: standard layers, the export target of each recipe."""

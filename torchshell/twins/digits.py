@@ -1,0 +1,38 @@
+"""Torch twin of :class:`jaxcore.models.digits.MLP` (same names: ``layers.i``, ``head``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """ReLU MLP classifier with the Flax MLP's layer names.
+
+    Example:
+        >>> import torch
+        >>> MLP(64, features=(16,))(torch.ones(2, 64)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(
+        self,
+        in_features: int = 64,
+        features: Sequence[int] = (256, 256),
+        num_classes: int = 10,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        widths = [in_features, *features]
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)
+        )
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(widths[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, in_features]
+        for layer in self.layers:
+            x = self.dropout(torch.relu(layer(x)))
+        return self.head(x)  # [B, num_classes]
