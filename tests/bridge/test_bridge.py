@@ -34,7 +34,7 @@ def test_int64_in_range_is_one_counted_copy():
 
 
 def test_strict_mode_names_the_field():
-    with pytest.raises(bridge.TransferError, match="'cols'.*non-contiguous"):
+    with pytest.raises(bridge.TransferError, match=r"'cols'.*non-contiguous"):
         bridge.to_jax({"cols": torch.ones(8, 8)[:, ::2]}, strict=True)
 
 

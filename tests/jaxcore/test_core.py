@@ -66,7 +66,7 @@ def test_masked_rows_do_not_change_the_step():
 
 
 def test_unknown_optimizer_is_a_clear_error():
-    with pytest.raises(jaxcore.ConfigError, match="optim.name"):
+    with pytest.raises(jaxcore.ConfigError, match=r"optim\.name"):
         jaxcore.make_optimizer("adamax")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -26,9 +27,7 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         widths = [in_features, *features]
-        self.layers = nn.ModuleList(
-            nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)
-        )
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(widths[-1], num_classes)
 
