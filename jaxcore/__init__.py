@@ -1,22 +1,56 @@
 """jaxcore: the compiled, mesh-sharded JAX core of coreshell. Never imports torch."""
 
-from jaxcore._errors import BatchError, ConfigError, JaxCoreError, MeshError, ShardingError
+from jaxcore._errors import (
+    BatchError,
+    ConfigError,
+    JaxCoreError,
+    MeshError,
+    NonFiniteError,
+    ShardingError,
+)
+from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_compile_cache
+from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
 from jaxcore.losses import masked_mean, softmax_cross_entropy
 from jaxcore.mesh import make_mesh
 from jaxcore.model import ModelFns, linen_model
 from jaxcore.optim import current_lr, make_optimizer, make_schedule
+from jaxcore.precision import resolve_dtype
+from jaxcore.sharding import (
+    LARGEST,
+    PRESETS,
+    Largest,
+    ShardingPlan,
+    batch_sharding,
+    parse_rules,
+    plan_shardings,
+    preset_rules,
+    sharding_rules,
+    state_sharding_fn,
+)
 from jaxcore.state import TrainState, init_train_state, replicated, state_shardings
 from jaxcore.step import make_eval_step, make_predict_step, make_train_step
 
 __all__ = [
+    "LARGEST",
+    "NAN_POLICIES",
+    "PRESETS",
     "BatchError",
+    "CompileStats",
     "ConfigError",
     "JaxCoreError",
+    "Largest",
     "MeshError",
     "ModelFns",
+    "NonFiniteError",
     "ShardingError",
+    "ShardingPlan",
+    "Step",
     "TrainState",
+    "batch_sharding",
+    "check_finite",
     "current_lr",
+    "disable_compile_cache",
+    "enable_compile_cache",
     "init_train_state",
     "linen_model",
     "make_eval_step",
@@ -26,7 +60,14 @@ __all__ = [
     "make_schedule",
     "make_train_step",
     "masked_mean",
+    "parse_rules",
+    "plan_shardings",
+    "preset_rules",
     "replicated",
+    "resolve_dtype",
+    "set_debug_nans",
+    "sharding_rules",
     "softmax_cross_entropy",
+    "state_sharding_fn",
     "state_shardings",
 ]

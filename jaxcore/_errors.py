@@ -21,3 +21,11 @@ class BatchError(JaxCoreError, ValueError):
 
 class ConfigError(JaxCoreError, ValueError):
     """An optimizer or step option that jaxcore does not know."""
+
+
+class NonFiniteError(JaxCoreError, FloatingPointError):
+    """A training step whose loss or gradients were NaN or Inf, under ``nan_policy="stop"``."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step

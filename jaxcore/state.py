@@ -19,6 +19,10 @@ PyTree = Any
 class TrainState:
     """Step counter, params, optimizer state, rng key and model state (e.g. ``batch_stats``).
 
+    ``nonfinite`` counts the steps a NaN/Inf guard refused (see ``make_train_step``'s
+    ``nan_policy``) and ``nonfinite_step`` is the first of them (-1 when none): both stay on
+    device, so checking them costs nothing until the shell fetches them.
+
     Static things (the apply function, the optimizer) live in the step closures, not here,
     so the whole state is arrays and can be donated, sharded and checkpointed.
     """
@@ -28,6 +32,8 @@ class TrainState:
     opt_state: PyTree
     rng: jax.Array
     model_state: PyTree
+    nonfinite: jax.Array  # steps whose loss or grads were NaN/Inf (their update was not applied)
+    nonfinite_step: jax.Array  # the first such step, -1 while there is none
 
 
 def replicated(mesh: Mesh, tree: PyTree) -> PyTree:
@@ -47,8 +53,9 @@ def init_train_state(
     """Initialises a :class:`TrainState` under ``jax.jit`` with explicit out-shardings.
 
     Params and optimizer state are born with their shardings (no full replica on one device
-    when they are sharded). ``param_shardings`` maps ``(params, model_state)`` abstract trees to
-    shardings; ``None`` replicates everything.
+    when they are sharded). ``param_shardings`` maps the abstract state to its shardings (e.g.
+    ``jaxcore.state_sharding_fn(mesh, "fsdp")``), or is that sharding tree itself; ``None``
+    replicates everything.
 
     Args:
         model: the model's init/apply functions.
@@ -56,7 +63,8 @@ def init_train_state(
         sample_batch: a batch with the real shapes and dtypes (values are not used).
         seed: the run's seed; the state's rng derives from it.
         mesh: the device mesh.
-        param_shardings: callable ``params_shape_tree -> sharding tree``, or ``None``.
+        param_shardings: callable ``abstract_state -> sharding tree``, a sharding tree, or
+            ``None``.
 
     Returns:
         The initial state, placed on ``mesh``.
@@ -82,14 +90,18 @@ def init_train_state(
             opt_state=tx.init(params),
             rng=state_key,
             model_state=model_state,
+            nonfinite=jnp.zeros((), jnp.int32),
+            nonfinite_step=jnp.full((), -1, jnp.int32),
         )
 
     rng = jax.random.key(seed)
     abstract = jax.eval_shape(init, rng)
     if param_shardings is None:
         out_shardings = replicated(mesh, abstract)
-    else:
+    elif callable(param_shardings):
         out_shardings = param_shardings(abstract)
+    else:
+        out_shardings = param_shardings
     return jax.jit(init, out_shardings=out_shardings)(rng)  # type: ignore[no-any-return]
 
 

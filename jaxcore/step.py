@@ -1,4 +1,16 @@
-"""Jitted train, eval and predict steps over a mesh."""
+"""Jitted train, eval and predict steps over a mesh.
+
+One train step, inside one ``jax.jit``: split the batch into ``accum_steps`` micro-batches and
+``lax.scan`` over them summing masked losses and gradients (exact masked means over the whole
+batch, whatever the split); clip and update with optax; guard against NaN/Inf; and, with
+``steps_per_call=K``, ``lax.scan`` that whole step over K stacked batches so the loop and
+dispatch cost is paid once per K steps.
+
+Randomness: the step's key is ``fold_in(state.rng, state.step)`` and micro-batch ``i`` uses
+``fold_in(key, i)``. JAX's partitionable threefry (the default) lets each device draw its own
+slice of the one global random stream: dropout masks are independent per device, deterministic
+per seed and step, and the same on any mesh.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +21,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcore.losses import masked_mean
+from jaxcore._errors import BatchError
+from jaxcore.compile import Step, check_positive
+from jaxcore.guard import check_policy, finite_ok, guarded
 from jaxcore.model import Batch, ModelFns
+from jaxcore.precision import cast_floating, resolve_dtype
 from jaxcore.state import TrainState
 
 PyTree = Any
@@ -23,6 +38,57 @@ def _mask(batch: Batch, n: int) -> jax.Array:
     return jnp.ones((n,), bool) if mask is None else mask
 
 
+def _rows(batch: Batch) -> int:
+    sizes = {k: v.shape[0] for k, v in batch.items() if getattr(v, "ndim", 0)}
+    if len(set(sizes.values())) > 1:
+        raise BatchError(
+            f"Every batch field needs the same number of rows, got {sizes}. "
+            "Fix: collate the fields of one example together."
+        )
+    if not sizes:
+        raise BatchError("The batch has no array fields. Fix: pass a dict of [B, ...] arrays.")
+    return next(iter(sizes.values()))
+
+
+def _inputs(batch: Batch, dtype: Any) -> Batch:
+    """Floating batch fields in the compute dtype (the mask and labels untouched)."""
+    return {k: v if k == "mask" else cast_floating(v, dtype) for k, v in batch.items()}
+
+
+def _sums(
+    model: ModelFns,
+    loss_fn: LossFn,
+    params: PyTree,
+    model_state: PyTree,
+    batch: Batch,
+    key: jax.Array,
+    dtype: Any,
+) -> tuple[jax.Array, tuple[PyTree, Metrics, jax.Array]]:
+    """Masked *sums* of loss and metrics on one (micro-)batch, and its valid-row count."""
+    outputs, new_state = model.apply(
+        cast_floating(params, dtype), model_state, _inputs(batch, dtype), key, True
+    )
+    outputs = cast_floating(outputs, jnp.float32)
+    losses, metrics = loss_fn(outputs, batch)
+    mask = _mask(batch, losses.shape[0]).astype(jnp.float32)
+    sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in metrics.items()}
+    if dtype is not None:  # model state (e.g. batch_stats) keeps its own dtypes
+        new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
+    return jnp.sum(losses.astype(jnp.float32) * mask), (new_state, sums, jnp.sum(mask))
+
+
+def _micro_batches(batch: Batch, m: int) -> Batch:
+    """``[B, ...] -> [m, B/m, ...]``; micro-batch ``i`` takes rows ``i, i+m, ...`` so each
+    device's rows stay on that device."""
+    rows = _rows(batch)
+    if rows % m:
+        raise BatchError(
+            f"accum_steps={m} must divide the batch rows, got {rows} rows. Fix: make the "
+            f"global batch size a multiple of {m}, or change accum_steps."
+        )
+    return {k: jnp.swapaxes(v.reshape(rows // m, m, *v.shape[1:]), 0, 1) for k, v in batch.items()}
+
+
 def make_train_step(
     model: ModelFns,
     loss_fn: LossFn,
@@ -31,47 +97,134 @@ def make_train_step(
     state_sharding: PyTree = None,
     batch_sharding: PyTree = None,
     donate: bool = True,
-) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    steps_per_call: int = 1,
+    accum_steps: int = 1,
+    compute_dtype: Any = None,
+    nan_policy: str = "none",
+) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
-    Losses and metrics are masked means over the batch ``mask`` (all rows when absent).
-    Dropout keys are ``fold_in(state.rng, state.step)``: deterministic per seed and step.
-    The state is donated, so the caller must use the returned state.
+    Losses and metrics are exact masked means over the batch ``mask`` (all rows when absent),
+    also across micro-batches. The state is donated, so the caller must use the returned one.
+    Gradient clipping and the learning-rate schedule live in ``tx``
+    (:func:`jaxcore.make_optimizer`).
 
     Args:
         model: init/apply functions.
         loss_fn: ``(outputs, batch) -> (loss[B], {name: metric[B]})``.
         tx: the optimizer.
         state_sharding: shardings of the state (``state_shardings(state)``).
-        batch_sharding: shardings of the batch, or ``None`` to take the arrays' own.
+        batch_sharding: shardings of the batch (``jaxcore.batch_sharding(mesh, ...)``), or
+            ``None`` to take the arrays' own.
         donate: donate the input state's buffers.
+        steps_per_call: K > 1 takes K stacked batches (every field ``[K, B, ...]``), runs K
+            optimizer steps in one ``lax.scan`` and returns metrics with a leading K axis.
+        accum_steps: micro-batches per step; gradients are summed over them in a
+            ``lax.scan`` (same update as one step on the full batch, less activation memory).
+        compute_dtype: ``None``/``"float32"`` or ``"bfloat16"``: the dtype of the forward and
+            backward pass; params, gradients, optimizer state and the loss stay float32.
+        nan_policy: ``"none"``, ``"skip"`` or ``"stop"`` (see :mod:`jaxcore.guard`); with a
+            guard the metrics gain ``nonfinite`` (1.0 on a refused step).
 
     Returns:
-        The jitted step.
+        The jitted step, a :class:`jaxcore.Step` (``.compile(state, batch)`` for statistics).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
+        >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32)}
+        >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> step = make_train_step(model, jaxcore.softmax_cross_entropy, tx,
+        ...     state_sharding=jaxcore.state_shardings(st), accum_steps=2)
+        >>> st, metrics = step(st, batch)
+        >>> int(st.step), sorted(metrics)
+        (1, ['accuracy', 'loss'])
     """
+    k = check_positive("steps_per_call", steps_per_call)
+    m = check_positive("accum_steps", accum_steps)
+    dtype = resolve_dtype(compute_dtype)
+    dtype = None if dtype == jnp.float32 else dtype
+    policy = check_policy(nan_policy)
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def sums_fn(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Any:
+        return _sums(model, loss_fn, params, model_state, batch, key, dtype)
+
+    value_and_grad = jax.value_and_grad(sums_fn, has_aux=True)
+
+    def one_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.rng, state.step)
+        if m == 1:
+            (loss_sum, (model_state, sums, count)), grads = value_and_grad(
+                state.params, state.model_state, batch, key
+            )
+        else:
+            micro = _micro_batches(batch, m)
 
-        def objective(params: PyTree) -> tuple[jax.Array, tuple[PyTree, Metrics]]:
-            outputs, model_state = model.apply(params, state.model_state, batch, key, True)
-            losses, metrics = loss_fn(outputs, batch)
-            mask = _mask(batch, losses.shape[0])
-            means = {k: masked_mean(v, mask) for k, v in metrics.items()}
-            return masked_mean(losses, mask), (model_state, means)
+            def accumulate(carry: Any, xs: Any) -> tuple[Any, None]:
+                g_acc, l_acc, s_acc, c_acc, ms = carry
+                i, mb = xs
+                (l_sum, (ms, sums, c)), g = value_and_grad(
+                    state.params, ms, mb, jax.random.fold_in(key, i)
+                )
+                add = jax.tree.map(jnp.add, (g_acc, l_acc, s_acc, c_acc), (g, l_sum, sums, c))
+                return (*add, ms), None
 
-        (loss, (model_state, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(
-            state.params
-        )
+            first_micro = jax.tree.map(lambda v: v[0], micro)
+            _, (_, sums_shape, _) = jax.eval_shape(
+                sums_fn, state.params, state.model_state, first_micro, key
+            )
+            zeros = (
+                jax.tree.map(jnp.zeros_like, state.params),
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
+                jnp.zeros((), jnp.float32),
+                state.model_state,
+            )
+            (grads, loss_sum, sums, count, model_state), _ = jax.lax.scan(
+                accumulate, zeros, (jnp.arange(m), micro)
+            )
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+        metrics = {"loss": loss, **{name: v / denom for name, v in sums.items()}}
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+        new = (params, opt_state, model_state)
+        if policy == "none":
+            return state.replace(
+                step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+            ), metrics
+        ok = finite_ok(loss, grads, state, policy)
+        params, opt_state, model_state = guarded(
+            ok, new, (state.params, state.opt_state, state.model_state)
         )
-        return new_state, {"loss": loss, **metrics}
+        bad = (~ok).astype(jnp.int32)
+        first = jnp.where((state.nonfinite_step < 0) & ~ok, state.step, state.nonfinite_step)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            nonfinite=state.nonfinite + bad,
+            nonfinite_step=first,
+        )
+        return new_state, {**metrics, "nonfinite": bad.astype(jnp.float32)}
 
-    return jax.jit(
-        step,
+    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
+        leading = {name: v.shape[0] if v.ndim else None for name, v in batches.items()}
+        if any(n != k for n in leading.values()):
+            raise BatchError(
+                f"steps_per_call={k} needs every batch field stacked as [{k}, B, ...], got "
+                f"leading sizes {leading}. Fix: stack {k} batches (e.g. np.stack) per call."
+            )
+        return jax.lax.scan(one_step, state, batches)
+
+    return Step(
+        one_step if k == 1 else multi_step,
+        name="train_step",
+        steps_per_call=k,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=(0,) if donate else (),
@@ -79,28 +232,71 @@ def make_train_step(
 
 
 def make_eval_step(
-    model: ModelFns, loss_fn: LossFn, *, batch_sharding: PyTree = None
-) -> Callable[[TrainState, Batch], Metrics]:
+    model: ModelFns,
+    loss_fn: LossFn,
+    *,
+    batch_sharding: PyTree = None,
+    state_sharding: PyTree = None,
+    compute_dtype: Any = None,
+) -> Step:
     """A jitted ``eval_step(state, batch) -> sums`` for exact epoch means.
 
     Returns sums over the valid rows and their ``count``; divide the accumulated sums by the
     accumulated count for means that padded rows never touch.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
+        >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32),
+        ...          "mask": jnp.arange(8) < 6}
+        >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> float(make_eval_step(model, jaxcore.softmax_cross_entropy)(st, batch)["count"])
+        6.0
     """
+    dtype = resolve_dtype(compute_dtype)
+    dtype = None if dtype == jnp.float32 else dtype
 
     def step(state: TrainState, batch: Batch) -> Metrics:
-        outputs, _ = model.apply(state.params, state.model_state, batch, state.rng, False)
-        losses, metrics = loss_fn(outputs, batch)
+        outputs, _ = model.apply(
+            cast_floating(state.params, dtype),
+            state.model_state,
+            _inputs(batch, dtype),
+            state.rng,
+            False,
+        )
+        losses, metrics = loss_fn(cast_floating(outputs, jnp.float32), batch)
         mask = _mask(batch, losses.shape[0]).astype(jnp.float32)
         sums = {k: jnp.sum(v * mask) for k, v in metrics.items()}
         return {"loss": jnp.sum(losses * mask), **sums, "count": jnp.sum(mask)}
 
-    return jax.jit(step, in_shardings=(None, batch_sharding))
+    return Step(step, name="eval_step", in_shardings=(state_sharding, batch_sharding))
 
 
-def make_predict_step(model: ModelFns) -> Callable[[TrainState, Batch], PyTree]:
-    """A jitted ``predict_step(state, batch) -> outputs`` in eval mode."""
+def make_predict_step(model: ModelFns, *, compute_dtype: Any = None) -> Step:
+    """A jitted ``predict_step(state, batch) -> outputs`` in eval mode.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
+        >>> st = jaxcore.init_train_state(model, tx, {"x": jnp.ones((8, 64))}, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> make_predict_step(model)(st, {"x": jnp.ones((8, 64))}).shape
+        (8, 10)
+    """
+    dtype = resolve_dtype(compute_dtype)
+    dtype = None if dtype == jnp.float32 else dtype
 
     def step(state: TrainState, batch: Batch) -> PyTree:
-        return model.apply(state.params, state.model_state, batch, state.rng, False)[0]
+        outputs = model.apply(
+            cast_floating(state.params, dtype),
+            state.model_state,
+            _inputs(batch, dtype),
+            state.rng,
+            False,
+        )[0]
+        return cast_floating(outputs, jnp.float32)
 
-    return jax.jit(step)
+    return Step(step, name="predict_step")

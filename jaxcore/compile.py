@@ -1,0 +1,208 @@
+"""Compilation: the persistent cache switch, AOT compile statistics, recompile counts, dumps.
+
+Every step factory returns a :class:`Step`: the jitted function plus a trace counter. JAX
+traces a jitted function once per new input signature (shapes, dtypes, shardings), and each
+trace is one XLA compilation, so ``Step.recompiles`` is the number of compilations after the
+first. :meth:`Step.compile` runs one AOT ``lower().compile()`` up front; the later calls reuse
+that executable (no second compile) and its ``cost_analysis()`` gives FLOPs and bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+from jaxcore._errors import ConfigError
+
+
+def enable_compile_cache(
+    directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = 0
+) -> Path:
+    """Switches JAX's persistent compilation cache on, in ``directory``.
+
+    Call it before the first compilation you want cached (the shell does it at start-up when
+    the config names a directory). Executables are then written to and read from disk, so a
+    second run of the same program skips XLA compilation. Trust the directory: a cache entry
+    is executable code.
+
+    Args:
+        directory: the cache directory (created if missing).
+        min_compile_time_s: cache only compilations slower than this (0: all).
+        min_entry_size_bytes: cache only executables larger than this (0: all).
+
+    Returns:
+        The directory, absolute.
+
+    Example:
+        >>> import tempfile
+        >>> d = enable_compile_cache(tempfile.mkdtemp())
+        >>> disable_compile_cache()
+    """
+    path = Path(directory).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
+    compilation_cache.reset_cache()  # a new directory takes effect even after a compile
+    return path
+
+
+def disable_compile_cache() -> None:
+    """Switches the persistent compilation cache off again.
+
+    Example:
+        >>> disable_compile_cache()
+    """
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """What one AOT compilation of a step cost and what the step computes.
+
+    Attributes:
+        lower_seconds: tracing and lowering to StableHLO.
+        compile_seconds: XLA compilation (near zero on a persistent-cache hit).
+        flops_per_step: XLA's cost-analysis FLOPs of one step (the per-device program's,
+            divided by ``steps_per_call``); ``None`` when the backend gives none.
+        bytes_per_step: bytes accessed per step, likewise.
+        steps_per_call: optimizer steps in one call.
+        recompiles: compilations after the first, so far.
+    """
+
+    lower_seconds: float
+    compile_seconds: float
+    flops_per_step: float | None
+    bytes_per_step: float | None
+    steps_per_call: int
+    recompiles: int
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers for a metrics logger (``None`` values left out)."""
+        items = {
+            "lower_seconds": self.lower_seconds,
+            "compile_seconds": self.compile_seconds,
+            "flops_per_step": self.flops_per_step,
+            "bytes_per_step": self.bytes_per_step,
+            "steps_per_call": self.steps_per_call,
+            "recompiles": self.recompiles,
+        }
+        return {k: float(v) for k, v in items.items() if v is not None}
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends implement no cost analysis
+        return {}
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+class Step:
+    """A jitted step: call it like the function; it counts its compilations.
+
+    Attributes:
+        name: used for dump file names.
+        steps_per_call: optimizer steps per call (for per-step statistics).
+        stats: the :class:`CompileStats` of the last :meth:`compile`, or ``None``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> step = Step(lambda x: x * 2, name="double")
+        >>> int(step(jnp.ones((), jnp.int32))), step.recompiles
+        (2, 0)
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str = "step",
+        steps_per_call: int = 1,
+        **jit_kwargs: Any,
+    ) -> None:
+        self.name = name
+        self.steps_per_call = steps_per_call
+        self.stats: CompileStats | None = None
+        self._traces = 0
+
+        def traced(*args: Any) -> Any:
+            self._traces += 1  # runs once per trace, i.e. once per compilation
+            return fn(*args)
+
+        self._jitted = jax.jit(traced, **jit_kwargs)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._jitted(*args)
+
+    @property
+    def compiles(self) -> int:
+        """Compilations (traces) so far."""
+        return self._traces
+
+    @property
+    def recompiles(self) -> int:
+        """Compilations after the first: each one a new input shape, dtype or sharding."""
+        return max(self._traces - 1, 0)
+
+    def lower(self, *args: Any) -> Any:
+        """``jax.jit(...).lower(*args)`` of the underlying function."""
+        return self._jitted.lower(*args)
+
+    def compile(self, *args: Any, dump_dir: str | Path | None = None) -> CompileStats:
+        """AOT-compiles for these arguments (arrays or ``ShapeDtypeStruct``s with shardings).
+
+        Later calls with the same signature reuse the executable. With ``dump_dir`` it writes
+        ``NAME.jaxpr.txt``, ``NAME.stablehlo.mlir`` and ``NAME.hlo.txt`` (optimized HLO).
+
+        Args:
+            *args: the step's arguments, e.g. ``(state, batch)``.
+            dump_dir: directory for the jaxpr/StableHLO/HLO dumps, or ``None``.
+
+        Returns:
+            The :class:`CompileStats` (also kept in ``self.stats``).
+        """
+        t0 = time.perf_counter()
+        traced = self._jitted.trace(*args)
+        lowered = traced.lower()
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        cost = _cost(compiled)
+        k = self.steps_per_call
+        flops, nbytes = cost.get("flops"), cost.get("bytes accessed")
+        self.stats = CompileStats(
+            lower_seconds=t1 - t0,
+            compile_seconds=t2 - t1,
+            flops_per_step=None if flops is None or not math.isfinite(flops) else flops / k,
+            bytes_per_step=None if nbytes is None or not math.isfinite(nbytes) else nbytes / k,
+            steps_per_call=k,
+            recompiles=self.recompiles,
+        )
+        if dump_dir is not None:
+            out = Path(dump_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{self.name}.jaxpr.txt").write_text(str(traced.jaxpr))
+            (out / f"{self.name}.stablehlo.mlir").write_text(lowered.as_text())
+            (out / f"{self.name}.hlo.txt").write_text(compiled.as_text() or "")
+        return self.stats
+
+
+def check_positive(name: str, value: int) -> int:
+    """Validates a positive integer step option."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            f"{name} must be a positive integer, got {value!r}. Fix: set {name} to 1 or more."
+        )
+    return value
