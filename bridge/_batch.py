@@ -1,31 +1,54 @@
-"""Global batches: ragged-batch padding with a mask, and placement on a sharding."""
+"""Global batches: ragged-batch padding with a mask, and zero-copy placement on a sharding."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import torch
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from bridge._dlpack import new_stats, tree_to_jax
+from bridge._dlpack import aliases, copied_shard_bytes, host_view, prepare
 from bridge._errors import TransferError
+from bridge._stats import TransferStats
+from bridge._tree import PyTree, leaves, map_leaves
 
-PyTree = Any
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
 
 
 def _leading(tree: PyTree) -> int:
-    sizes = {t.shape[0] for t in jax.tree.leaves(tree) if t.dim() > 0}
-    if len(sizes) != 1:
+    sizes = {name: t.shape[0] for name, t in leaves(tree, _is_tensor) if t.dim() > 0}
+    if len(set(sizes.values())) != 1:
         raise TransferError(
-            f"Every batch field needs the same leading (batch) size, got {sorted(sizes)}. "
-            "Fix: make the collate return fields of equal length."
+            f"Padding needs every batch field to have the same leading (batch) size, got "
+            f"{sizes or 'no field with a batch dimension'}. Fix: make the collate return "
+            "fields of equal length."
         )
-    return sizes.pop()
+    return next(iter(sizes.values()))
 
 
-def pad_batch(batch: Mapping[str, torch.Tensor], pad_to: int) -> dict[str, torch.Tensor]:
+def pad_batch(batch: Mapping[str, Any], pad_to: int) -> dict[str, Any]:
     """Zero-pads every field to ``pad_to`` rows and adds a boolean ``mask`` of real rows.
+
+    Fields without a batch dimension (0-d) are kept as they are; a ``mask`` already in the
+    batch is combined with the new one. A batch of exactly ``pad_to`` rows is returned
+    without copying its fields (the mask is still added, so every batch has the same keys).
+
+    Args:
+        batch: a mapping (possibly nested) of tensors with a common leading size.
+        pad_to: rows after padding.
+
+    Returns:
+        A new dict with the padded fields and ``mask`` (bool, ``[pad_to]``).
+
+    Raises:
+        TransferError: when ``batch`` is not a Mapping, the leading sizes differ, or the
+            batch has more than ``pad_to`` rows.
 
     Example:
         >>> import torch
@@ -35,58 +58,205 @@ def pad_batch(batch: Mapping[str, torch.Tensor], pad_to: int) -> dict[str, torch
     """
     if not isinstance(batch, Mapping):
         raise TransferError(
-            f"Padding a ragged batch adds a 'mask' entry, so the batch must be a Mapping; "
-            f"got {type(batch).__name__}. Fix: collate to a dict of tensors."
+            "Padding a ragged batch adds a 'mask' entry, so the batch must be a Mapping; "
+            f"got {type(batch).__name__}. Fix: collate to a dict of tensors, or pass a batch "
+            "whose size divides the data axis without pad_to."
         )
+    if not isinstance(pad_to, int) or pad_to < 1:
+        raise TransferError(f"pad_to must be a positive int, got {pad_to!r}.")
     n = _leading(batch)
     if n > pad_to:
-        raise TransferError(f"Batch has {n} rows, more than pad_to={pad_to}.")
-    out = {}
-    for k, t in batch.items():
-        if n == pad_to:
-            out[k] = t
-            continue
+        raise TransferError(
+            f"The batch has {n} rows, more than pad_to={pad_to}. Fix: set pad_to to the "
+            "global batch size (the largest batch the loader yields)."
+        )
+
+    def pad(_: str, t: torch.Tensor) -> torch.Tensor:
+        if n == pad_to or t.dim() == 0:
+            return t
         padded = t.new_zeros((pad_to, *t.shape[1:]))
         padded[:n] = t
-        out[k] = padded
+        return padded
+
+    out = dict(map_leaves(pad, dict(batch), _is_tensor))
     mask = torch.zeros(pad_to, dtype=torch.bool)
     mask[:n] = True
     if "mask" in batch:
-        mask[:n] &= batch["mask"].bool()
+        mask[:n] &= torch.as_tensor(batch["mask"]).bool().reshape(-1)[:n]
     out["mask"] = mask
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _local_row_blocks(sharding: Sharding) -> int:
+    """How many distinct row blocks of the batch this process's devices hold."""
+    if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
+        return 1
+    first = sharding.spec[0]
+    if first is None:
+        return 1
+    axes = first if isinstance(first, tuple) else (first,)
+    mesh = sharding.mesh
+    where = [mesh.axis_names.index(a) for a in axes]
+    me = jax.process_index()
+    blocks = {
+        tuple(pos[i] for i in where)
+        for pos, d in np.ndenumerate(mesh.devices)
+        if d.process_index == me
+    }
+    return max(len(blocks), 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_sharding(sharding: Sharding, ndim: int) -> Sharding:
+    """``sharding`` cut to a leaf's rank: a 0-d leaf is replicated, a 1-d one keeps axis 0."""
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) > ndim:
+        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:ndim]))
+    return sharding
+
+
+@functools.lru_cache(maxsize=256)
+def _on_cpu(sharding: Sharding) -> bool:
+    return all(d.platform == "cpu" for d in sharding.device_set)
+
+
+def _shard_copy_error(name: str, t: torch.Tensor, copied: int) -> TransferError:
+    return TransferError(
+        f"Field {name!r} ({t.dtype}, shape {tuple(t.shape)}): JAX copied {copied} bytes of its "
+        "shards because their offsets in the host buffer are not 64-byte aligned. Fix: make "
+        "rows per device x bytes per row a multiple of 64 (e.g. 16 int32 labels per device), "
+        "or pass strict=False to allow the counted copy."
+    )
+
+
+def _place_single(
+    name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats, own: bool
+) -> jax.Array:
+    out = jax.dlpack.from_dlpack(t)
+    if t.device.type == "cpu" and not aliases(out, t):
+        if strict:
+            raise _shard_copy_error(name, t, t.nbytes)
+        stats.record_copy(name, "JAX copied the buffer on import", t.nbytes)
+    elif own:
+        stats.zero_copy_bytes += t.nbytes
+    return out
+
+
+def _place_sharded(
+    named: list[tuple[str, torch.Tensor]],
+    sharding: Sharding,
+    *,
+    strict: bool,
+    stats: TransferStats,
+    copied_names: set[str],
+) -> list[jax.Array]:
+    shardings = [_leaf_sharding(sharding, t.dim()) for _, t in named]
+    local = [
+        host_view(t) if t.device.type == "cpu" else jax.dlpack.from_dlpack(t) for _, t in named
+    ]
+    # One batched call: device_put with one process, per-process rows assembled into one
+    # global array with several (each process passes its own rows).
+    out: list[jax.Array] = jax.make_array_from_process_local_data(shardings, local)
+    for (name, t), s, x in zip(named, shardings, out, strict=True):
+        own = name not in copied_names
+        if t.device.type != "cpu":
+            stats.zero_copy_bytes += t.nbytes if own else 0
+        elif not _on_cpu(s):
+            stats.host_to_device_bytes += t.nbytes
+        else:
+            copied = copied_shard_bytes(x, t) if t.numel() else 0
+            if copied and strict:
+                raise _shard_copy_error(name, t, copied)
+            if copied:
+                stats.record_copy(
+                    name, "JAX copied shards whose host offset is not 64-byte aligned", copied
+                )
+            stats.zero_copy_bytes += max(t.nbytes - copied, 0) if own else 0
     return out
 
 
 def to_jax(
     tree: PyTree,
-    sharding: jax.sharding.Sharding | None = None,
+    sharding: Sharding | None = None,
     *,
     pad_to: int | None = None,
     strict: bool = False,
-    stats: dict[str, Any] | None = None,
+    stats: TransferStats | None = None,
 ) -> PyTree:
     """Hands a pytree of torch tensors to JAX, zero-copy where the layout allows.
 
+    A contiguous, 64-byte-aligned CPU tensor of a dtype JAX holds becomes a ``jax.Array``
+    over the same memory (no copy); so does a CUDA tensor, through DLPack with stream order
+    kept. Everything else costs one counted copy, or raises with ``strict=True`` (see
+    ``docs/bridge.md`` for the policy and the aliasing rules).
+
     Args:
-        tree: pytree (dicts, lists, tuples, ...) of torch tensors.
-        sharding: where the arrays go; leaves are placed with it (batch dim on the data
-            axis). ``None`` keeps them on the device DLPack gives.
-        pad_to: pad the leading dimension to this many rows and add a boolean ``mask``.
-        strict: raise instead of copying when a field cannot cross zero-copy.
-        stats: dict to accumulate ``zero_copy_bytes``, ``copied_bytes`` and ``copies`` into.
+        tree: dicts, lists, tuples, namedtuples or dataclasses of torch tensors; other
+            leaves are returned unchanged.
+        sharding: where the arrays go. A ``NamedSharding`` whose first spec entry names the
+            data axis splits the batch rows over it (a leaf of lower rank gets the spec cut
+            to its rank; 0-d leaves are replicated). With several processes each process
+            passes its own rows and gets one global array. ``None`` keeps each array on the
+            device DLPack gives (``cpu:0`` for host tensors).
+        pad_to: rows this process contributes after padding (the global batch with one
+            process). The leading dimension is zero-padded to ``pad_to`` (rounded up to a
+            multiple of the data axis) and a boolean ``mask`` of real rows is added; the
+            tree must then be a Mapping. Without ``pad_to``, a batch whose rows do not
+            divide the data axis is padded to the next multiple the same way.
+        strict: raise :class:`bridge.TransferError` instead of copying.
+        stats: a :class:`bridge.TransferStats` (from :func:`bridge.new_stats`) to count
+            zero-copy and copied bytes into.
 
     Returns:
-        The same pytree of ``jax.Array``.
+        The same pytree with ``jax.Array`` leaves (plus ``mask`` when padded).
+
+    Raises:
+        TransferError: unsupported dtype, values that do not fit the 32-bit type, a ragged
+            batch that is not a Mapping, or any copy in strict mode.
 
     Example:
         >>> import torch
-        >>> out = to_jax({"x": torch.ones(4, 2)})
-        >>> out["x"].shape
-        (4, 2)
+        >>> t = torch.ones(4, 2)
+        >>> out = to_jax({"x": t})
+        >>> out["x"].unsafe_buffer_pointer() == t.data_ptr()
+        True
     """
+    stats = TransferStats() if stats is None else stats
+    stats.transfers += 1
+    copied_names: set[str] = set()
+
+    def policy(name: str, t: torch.Tensor) -> torch.Tensor:
+        out = prepare(name, t, strict=strict, stats=stats)
+        if out is not t:
+            copied_names.add(name)
+        return out
+
+    tree = map_leaves(policy, tree, _is_tensor)
+    blocks = _local_row_blocks(sharding) if sharding is not None else 1
+    rows = None
     if pad_to is not None:
-        tree = pad_batch(tree, pad_to)
-    out = tree_to_jax(tree, strict=strict, stats=new_stats() if stats is None else stats)
-    if sharding is not None:
-        out = jax.device_put(out, sharding)
-    return out
+        rows = -(-pad_to // blocks) * blocks
+    elif blocks > 1:
+        sizes = {t.shape[0] for _, t in leaves(tree, _is_tensor) if t.dim()}
+        if len(sizes) == 1 and (n := sizes.pop()) % blocks:
+            rows = -(-n // blocks) * blocks
+    if rows is not None:
+        before = {name: t.data_ptr() for name, t in leaves(tree, _is_tensor)}
+        tree = pad_batch(tree, rows)
+        for name, t in leaves(tree, _is_tensor):
+            if name in before and t.data_ptr() != before[name]:
+                stats.record_copy(name, f"ragged batch padded to {rows} rows", t.nbytes)
+                copied_names.add(name)
+    if sharding is None:
+        return map_leaves(
+            lambda name, t: _place_single(
+                name, t, strict=strict, stats=stats, own=name not in copied_names
+            ),
+            tree,
+            _is_tensor,
+        )
+    named = leaves(tree, _is_tensor)
+    placed = iter(
+        _place_sharded(named, sharding, strict=strict, stats=stats, copied_names=copied_names)
+    )
+    return map_leaves(lambda _, t: next(placed), tree, _is_tensor)

@@ -1,4 +1,11 @@
-"""torch <-> JAX hand-over of pytrees through DLPack, with an explicit copy policy."""
+"""torch <-> JAX hand-over of single buffers through DLPack, with an explicit copy policy.
+
+A CPU tensor crosses zero-copy when it is contiguous, 64-byte aligned, not pinned, does not
+require grad, and has a dtype JAX holds. Every other case costs exactly one counted copy
+(or, with ``strict=True``, a :class:`TransferError` naming the field and the fix). Values
+never change silently: narrowing int64/uint64/float64/complex128 under x64-off checks the
+range first.
+"""
 
 from __future__ import annotations
 
@@ -10,123 +17,186 @@ import numpy as np
 import torch
 
 from bridge._errors import TransferError
+from bridge._stats import TransferStats
+from bridge._tree import PyTree, map_leaves
 
-PyTree = Any
+ALIGN = 64
+"""Byte alignment XLA's CPU client needs to alias a host buffer instead of copying it."""
 
-_ALIGN = 64
-# dtypes JAX holds only with x64 on, and the 32-bit type they are narrowed to otherwise.
-_NARROW = {torch.int64: torch.int32, torch.float64: torch.float32}
+SUPPORTED = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.uint16,
+        torch.uint32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.complex64,
+    }
+)
+# 64-bit dtypes JAX holds only with x64 on, and the 32-bit type they narrow to otherwise.
+NARROW = {
+    torch.int64: torch.int32,
+    torch.uint64: torch.uint32,
+    torch.float64: torch.float32,
+    torch.complex128: torch.complex64,
+}
+_FIX = (
+    "Fix: produce a contiguous, unpinned, 64-byte-aligned tensor of a dtype JAX holds in the "
+    "Dataset or collate (e.g. `.contiguous()`, `.to(torch.int32)`, `.detach()`), or pass "
+    "strict=False to allow one counted copy."
+)
 
 
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
+def _describe(t: torch.Tensor) -> str:
+    offset = t.data_ptr() % ALIGN if t.numel() else 0
+    return (
+        f"{t.dtype}, shape {tuple(t.shape)}, strides {tuple(t.stride())}, "
+        f"data pointer {offset} bytes past a {ALIGN}-byte boundary"
+    )
 
 
 def _narrow(name: str, t: torch.Tensor) -> torch.Tensor:
-    """int64/float64 -> 32 bit, refusing values the narrow type cannot hold exactly."""
-    target = _NARROW[t.dtype]
-    if t.dtype == torch.int64 and t.numel():
-        info = torch.iinfo(target)
-        lo, hi = int(t.min()), int(t.max())
-        if lo < info.min or hi > info.max:
-            raise TransferError(
-                f"Field {name!r}: int64 values in [{lo}, {hi}] do not fit int32, and JAX runs "
-                "with x64 off. Fix: store the field as int32 in the Dataset, or enable "
-                "jax_enable_x64."
-            )
-    out = t.to(target)
-    if t.dtype == torch.float64 and not torch.equal(out.to(torch.float64), t):
+    """64-bit -> 32-bit, refusing values the narrow type cannot hold."""
+    target = NARROW[t.dtype]
+    if t.dtype in (torch.int64, torch.uint64):
+        if t.numel():
+            host = t.numpy(force=True)
+            lo, hi = int(host.min()), int(host.max())
+            info = np.iinfo(np.int32 if target == torch.int32 else np.uint32)
+            if lo < info.min or hi > info.max:
+                raise TransferError(
+                    f"Field {name!r}: {t.dtype} values in [{lo}, {hi}] do not fit "
+                    f"{str(target).removeprefix('torch.')} [{info.min}, {info.max}], and JAX "
+                    "runs with x64 off, so they would be truncated. Fix: store the field as "
+                    "int32 in the Dataset (or rescale it), or enable jax_enable_x64."
+                )
+        if target == torch.uint32:  # torch has no uint64 -> uint32 cast kernel on every build
+            out = torch.empty(t.shape, dtype=torch.uint32)
+            out.numpy()[...] = t.numpy(force=True)
+            return out
+        return t.to(target, memory_format=torch.contiguous_format)
+    out = t.to(target, memory_format=torch.contiguous_format)
+    if t.numel():
         finite = torch.isfinite(t)
-        if torch.any(torch.isinf(out[finite])):
+        if bool(torch.any(torch.isinf(out) & finite)):
             raise TransferError(
-                f"Field {name!r}: float64 values overflow float32 (JAX runs with x64 off). "
-                "Fix: rescale the field or store it as float32."
+                f"Field {name!r}: {t.dtype} values overflow {target} (JAX runs with x64 off), "
+                "so they would become inf. Fix: rescale the field or store it as float32, or "
+                "enable jax_enable_x64."
             )
     return out
 
 
-def _leaf_to_jax(name: str, t: torch.Tensor, *, strict: bool, stats: dict[str, Any]) -> jax.Array:
+def prepare(name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats) -> torch.Tensor:
+    """Returns ``t`` itself when it can cross zero-copy, else one policy copy of it.
+
+    Raises:
+        TransferError: for an unsupported dtype, an out-of-range narrowing, or any copy in
+            strict mode.
+    """
     reasons = []
+    narrow = t.dtype in NARROW and not jax.config.jax_enable_x64
+    if narrow:
+        target = str(NARROW[t.dtype]).removeprefix("torch.")
+        reasons.append(f"{t.dtype} narrowed to {target} (JAX runs with x64 off)")
+    elif t.dtype not in SUPPORTED and t.dtype not in NARROW:
+        raise TransferError(
+            f"Field {name!r} has dtype {t.dtype}, which the bridge does not hand to JAX. "
+            f"Supported: {sorted(str(d).removeprefix('torch.') for d in SUPPORTED)} and, "
+            "narrowed with a range check, int64/uint64/float64/complex128. Fix: convert the "
+            "field in the Dataset or collate."
+        )
     if t.requires_grad:
-        reasons.append("requires_grad")
-        t = t.detach()
-    if t.device.type != "cpu":
-        arr = jax.dlpack.from_dlpack(t)
-        stats["zero_copy_bytes"] += t.nbytes
-        return arr
-    if t.dtype in _NARROW and not jax.config.jax_enable_x64:
-        reasons.append(f"{t.dtype} with x64 off")
+        reasons.append("requires grad (copied so later in-place updates cannot reach JAX)")
+    on_cpu = t.device.type == "cpu"
     if not t.is_contiguous():
         reasons.append(f"non-contiguous strides {tuple(t.stride())}")
-    elif t.numel() and t.data_ptr() % _ALIGN:
-        reasons.append(f"data pointer not {_ALIGN}-byte aligned")
-    if t.is_pinned():
-        reasons.append("pinned memory")
-    if reasons and strict:
+    elif on_cpu and t.numel() and t.data_ptr() % ALIGN:
+        reasons.append(f"data pointer not {ALIGN}-byte aligned")
+    if on_cpu and t.is_pinned():
+        reasons.append("pinned memory (JAX's CPU client refuses it)")
+    if not reasons:
+        return t
+    if strict:
         raise TransferError(
-            f"Field {name!r} ({t.dtype}, shape {tuple(t.shape)}, strides {tuple(t.stride())}) "
-            f"cannot cross zero-copy: {', '.join(reasons)}. Fix: produce a contiguous, "
-            "unpinned, 64-byte-aligned tensor of a 32-bit-or-narrower dtype in the Dataset or "
-            "collate (e.g. `.contiguous()`, `.to(torch.int32)`), or pass strict=False to allow "
-            "one counted copy."
+            f"Field {name!r} ({_describe(t)}) cannot cross zero-copy: {'; '.join(reasons)}. " + _FIX
         )
-    if reasons:
-        if t.dtype in _NARROW and not jax.config.jax_enable_x64:
-            t = _narrow(name, t)
-        t = t.contiguous().clone() if t.is_pinned() else t.contiguous()
-        if t.numel() and t.data_ptr() % _ALIGN:
-            t = t.clone()
-        copied = np.array(t.numpy(), copy=True)  # aligned by numpy
-        stats["copied_bytes"] += t.nbytes
-        stats["copies"].append((name, ", ".join(reasons)))
-        return jnp.asarray(copied)
-    stats["zero_copy_bytes"] += t.nbytes
-    return jax.dlpack.from_dlpack(t)
+    with torch.no_grad():
+        out = _narrow(name, t.detach()) if narrow else t.detach()
+        if out is t or out.data_ptr() == t.data_ptr() or not out.is_contiguous():
+            # torch's allocator aligns fresh buffers to 64 bytes and never pins them.
+            out = torch.empty_like(out, memory_format=torch.contiguous_format).copy_(out)
+    stats.record_copy(name, "; ".join(reasons), out.nbytes)
+    return out
 
 
-def _path_name(path: tuple[Any, ...]) -> str:
-    return (
-        "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-        or "<root>"
-    )
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy) of a CPU tensor, bfloat16 included (as ``ml_dtypes``)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(jnp.bfloat16)
+    return t.numpy()
 
 
-def new_stats() -> dict[str, Any]:
-    """Empty per-transfer stats: zero-copy bytes, copied bytes and why each copy happened."""
-    return {"zero_copy_bytes": 0, "copied_bytes": 0, "copies": []}
+def aliases(x: jax.Array, t: torch.Tensor) -> bool:
+    """True when every addressable shard of ``x`` lies inside ``t``'s host buffer."""
+    if not t.numel():
+        return True
+    lo = t.data_ptr()
+    hi = lo + t.nbytes
+    for shard in x.addressable_shards:
+        if shard.data.size and not lo <= shard.data.unsafe_buffer_pointer() < hi:
+            return False
+    return True
 
 
-def tree_to_jax(
-    tree: PyTree, *, strict: bool = False, stats: dict[str, Any] | None = None
-) -> PyTree:
-    """Hands each torch tensor leaf of ``tree`` to JAX on its own device (no sharding)."""
-    stats = new_stats() if stats is None else stats
-    return jax.tree_util.tree_map_with_path(
-        lambda p, t: _leaf_to_jax(_path_name(p), t, strict=strict, stats=stats),
-        tree,
-        is_leaf=_is_leaf,
-    )
+def copied_shard_bytes(x: jax.Array, t: torch.Tensor) -> int:
+    """Bytes of the distinct shards of ``x`` that JAX copied instead of aliasing ``t``."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
+    seen: set[Any] = set()
+    copied = 0
+    for shard in x.addressable_shards:
+        key = str(shard.index)
+        data = shard.data
+        if key in seen or not data.size:
+            continue
+        seen.add(key)
+        if not lo <= data.unsafe_buffer_pointer() < hi:
+            copied += data.nbytes
+    return copied
 
 
 def to_torch(tree: PyTree) -> PyTree:
     """Hands each ``jax.Array`` leaf to torch through DLPack (zero-copy on one device).
 
-    Sharded arrays are gathered to one host buffer first.
+    A single-device or fully replicated array aliases JAX's buffer (the torch tensor keeps
+    it alive); an array sharded over several devices is gathered into one buffer first (one
+    copy), across processes with ``process_allgather``. Stream order on an accelerator is
+    kept by the DLPack protocol. Other leaves are returned unchanged.
 
     Example:
         >>> import jax.numpy as jnp
         >>> to_torch({"a": jnp.arange(3)})["a"].tolist()
         [0, 1, 2]
     """
+    return map_leaves(lambda _, x: _leaf_to_torch(x), tree, lambda x: isinstance(x, jax.Array))
 
-    def leaf(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        if len(x.sharding.device_set) > 1:
-            if not x.is_fully_addressable and not x.is_fully_replicated:
-                x = jax.experimental.multihost_utils.process_allgather(x, tiled=True)
-                return torch.from_numpy(np.asarray(x))
-            x = jax.device_put(x, next(iter(x.addressable_shards)).device)
-        return torch.from_dlpack(x)
 
-    return jax.tree.map(leaf, tree)
+def _leaf_to_torch(x: jax.Array) -> torch.Tensor:
+    if len(x.sharding.device_set) > 1:
+        if x.is_fully_replicated and x.addressable_shards:
+            x = x.addressable_shards[0].data
+        elif x.is_fully_addressable:
+            x = jax.device_put(x, x.addressable_shards[0].device)
+        else:
+            from jax.experimental import multihost_utils
+
+            host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            if host.dtype == jnp.bfloat16:
+                return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+            return torch.from_numpy(host)
+    return torch.from_dlpack(x)

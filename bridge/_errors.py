@@ -16,3 +16,7 @@ class StateDictError(BridgeError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class PrefetchError(BridgeError, ValueError):
+    """Bad arguments to :func:`bridge.prefetch` (e.g. a queue size below 1)."""

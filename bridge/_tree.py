@@ -1,0 +1,70 @@
+"""A small pytree walk over the containers a DataLoader collates to, with field names.
+
+``jax.tree_util`` treats an unregistered ``@dataclass`` as a leaf and torch's pytree does
+too; batches are dicts, lists, tuples, namedtuples or dataclasses of tensors, so the bridge
+walks them itself (and names each leaf by its path for error messages and stats).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PyTree = Any
+
+
+def _join(prefix: str, key: object) -> str:
+    return f"{prefix}/{key}" if prefix else str(key)
+
+
+def map_leaves(
+    fn: Callable[[str, Any], Any], tree: PyTree, is_leaf: Callable[[Any], bool], prefix: str = ""
+) -> PyTree:
+    """Applies ``fn(path, leaf)`` to every leaf, rebuilding containers of the same type.
+
+    Objects that are neither leaves nor known containers are returned unchanged.
+
+    Example:
+        >>> map_leaves(lambda p, x: p, {"a": [1, 2]}, lambda x: isinstance(x, int))
+        {'a': ['a/0', 'a/1']}
+    """
+    if is_leaf(tree):
+        return fn(prefix or "<root>", tree)
+    if isinstance(tree, Mapping):
+        items = {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
+        if type(tree) is dict:
+            return items
+        try:
+            return type(tree)(items)
+        except TypeError:
+            return items
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(
+            *(
+                map_leaves(fn, v, is_leaf, _join(prefix, k))
+                for k, v in zip(tree._fields, tree, strict=True)
+            )
+        )
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_leaves(fn, v, is_leaf, _join(prefix, i)) for i, v in enumerate(tree))
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        out = copy.copy(tree)  # keeps init=False fields; setattr below also works when frozen
+        for f in dataclasses.fields(tree):
+            value = getattr(tree, f.name)
+            object.__setattr__(out, f.name, map_leaves(fn, value, is_leaf, _join(prefix, f.name)))
+        return out
+    return tree
+
+
+def leaves(tree: PyTree, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` pairs in traversal order.
+
+    Example:
+        >>> leaves({"a": (1, 2)}, lambda x: isinstance(x, int))
+        [('a/0', 1), ('a/1', 2)]
+    """
+    found: list[tuple[str, Any]] = []
+    map_leaves(lambda p, x: found.append((p, x)), tree, is_leaf)
+    return found
