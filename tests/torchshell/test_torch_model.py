@@ -1,0 +1,303 @@
+"""A torch nn.Module as the JAX core: N jaxcore steps match N plain PyTorch steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+from torch import nn
+
+import jaxcore
+from torchshell._errors import TorchModelError
+from torchshell.torch_model import params_to_state_dict, torch_model_fns
+from torchshell.twins.digits import MLP
+
+ROWS = 8  # divisible by the 8 fake devices of the data axis
+
+
+class SmallCNN(nn.Module):
+    """Conv + BatchNorm2d + ReLU + pool + linear head on 1x8x8 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)  # bias before BN has zero grad
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, 64]
+        h = torch.relu(self.bn(self.conv(x.reshape(-1, 1, 8, 8))))
+        return self.head(nn.functional.max_pool2d(h, 2).flatten(1))  # [B, 10]
+
+
+class SmallEncoder(nn.Module):
+    """Token embedding + positions made in forward + 2 transformer encoder layers."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, 64] read as 16 tokens of 4
+        h = self.embed(x.reshape(x.shape[0], 16, 4))
+        h = h + 0.01 * torch.arange(16, dtype=h.dtype)[None, :, None]
+        return self.head(self.encoder(h).mean(1))  # [B, 10]
+
+
+class WithMaxPool(nn.Module):
+    """A layer torchax 0.0.13 cannot lower (adaptive max pooling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 8), nn.Unflatten(1, (1, 8)))
+        self.pool = nn.AdaptiveMaxPool1d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.body(x)).flatten(1)
+
+
+class Branchy(nn.Module):
+    """Python control flow on a tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+
+def _batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"x": torch.randn(ROWS, 64, generator=g), "y": torch.randint(0, 10, (ROWS,), generator=g)}
+        for _ in range(n)
+    ]
+
+
+def _to_device(batch: dict[str, torch.Tensor], sharding: NamedSharding) -> dict[str, jax.Array]:
+    host = {"x": batch["x"].numpy(), "y": batch["y"].numpy().astype(np.int32)}
+    return jax.device_put(host, sharding)
+
+
+def _train_both(
+    net: nn.Module,
+    tx: optax.GradientTransformation,
+    torch_opt: Callable[[nn.Module], torch.optim.Optimizer],
+    steps: int,
+) -> tuple[jaxcore.TrainState, nn.Module, list[float], list[float]]:
+    """Trains ``net`` N steps through jaxcore (8-way data mesh) and in plain PyTorch."""
+    fns = torch_model_fns(net)  # copies the weights: the torch run below starts equal
+    mesh = jaxcore.make_mesh({"data": -1})
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    batches = _batches(steps)
+    state = jaxcore.init_train_state(fns, tx, _to_device(batches[0], sharding), seed=0, mesh=mesh)
+    step = jaxcore.make_train_step(
+        fns, jaxcore.softmax_cross_entropy, tx, state_sharding=jaxcore.state_shardings(state)
+    )
+    jax_losses = []
+    for b in batches:
+        state, metrics = step(state, _to_device(b, sharding))
+        jax_losses.append(float(metrics["loss"]))
+
+    opt = torch_opt(net)
+    net.train()
+    torch_losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(b["x"]), b["y"])
+        loss.backward()
+        opt.step()
+        torch_losses.append(loss.item())
+    return state, net, jax_losses, torch_losses
+
+
+def _assert_same(state: jaxcore.TrainState, net: nn.Module) -> None:
+    trained = {**state.model_state, **state.params}
+    reference = net.state_dict()
+    assert set(trained) == set(reference)
+    for name, ref in reference.items():
+        np.testing.assert_allclose(
+            np.asarray(trained[name]), ref.numpy(), rtol=1e-4, atol=1e-6, err_msg=name
+        )
+
+
+def test_mlp_sgd_steps_match_pytorch():
+    torch.manual_seed(0)
+    net = MLP(64, features=(32, 32), num_classes=10)
+    state, net, jl, tl = _train_both(
+        net,
+        optax.sgd(0.1, momentum=0.9),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        steps=5,
+    )
+    np.testing.assert_allclose(jl, tl, rtol=1e-4)
+    _assert_same(state, net)
+    assert set(state.params) == {n for n, _ in net.named_parameters()}
+    assert state.model_state == {}
+
+
+def test_cnn_batchnorm_adam_steps_match_pytorch_running_stats_included():
+    torch.manual_seed(1)
+    state, net, jl, tl = _train_both(
+        SmallCNN(),
+        optax.adam(1e-2),
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+        steps=4,
+    )
+    np.testing.assert_allclose(jl, tl, rtol=1e-4)
+    assert sorted(state.model_state) == [
+        "bn.num_batches_tracked",
+        "bn.running_mean",
+        "bn.running_var",
+    ]
+    assert int(state.model_state["bn.num_batches_tracked"]) == 4
+    assert not np.allclose(np.asarray(state.model_state["bn.running_var"]), 1.0)
+    _assert_same(state, net)  # params and running stats
+
+
+def test_transformer_encoder_sgd_steps_match_pytorch():
+    # sgd, not adam: the attention key bias has a true gradient of zero (softmax ignores a
+    # per-query shift), and adam would scale both frameworks' float noise up to +-lr.
+    torch.manual_seed(2)
+    state, net, jl, tl = _train_both(
+        SmallEncoder(),
+        optax.sgd(0.05, momentum=0.9),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+        steps=3,
+    )
+    np.testing.assert_allclose(jl, tl, rtol=1e-4)
+    assert "encoder.layers.0.self_attn.in_proj_weight" in state.params
+    _assert_same(state, net)
+
+
+def test_export_is_exact_and_eval_mode_uses_running_stats():
+    torch.manual_seed(3)
+    net = SmallCNN()
+    fns = torch_model_fns(net)
+    x = _batches(1)[0]["x"]
+    params, model_state = fns.init(jax.random.key(0), {"x": jnp.asarray(x.numpy())})
+    for i in range(3):  # three train-mode forwards update the running stats
+        _, model_state = fns.apply(
+            params, model_state, {"x": jnp.asarray(x.numpy())}, jax.random.key(0), True
+        )
+        assert int(model_state["bn.num_batches_tracked"]) == i + 1
+
+    sd = params_to_state_dict(params, model_state, net)
+    fresh = SmallCNN()
+    assert str(fresh.load_state_dict(sd, strict=True)) == "<All keys matched successfully>"
+    assert fresh.bn.num_batches_tracked.dtype == torch.int64
+    assert int(fresh.bn.num_batches_tracked) == 3
+    fresh.eval()
+    outputs, same_state = fns.apply(
+        params, model_state, {"x": jnp.asarray(x.numpy())}, jax.random.key(0), False
+    )
+    assert same_state is model_state  # eval never changes the state
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(outputs), fresh(x).numpy(), rtol=1e-5, atol=1e-6)
+        fresh.train()  # train mode normalises with batch stats: a different output
+        assert not np.allclose(np.asarray(outputs), fresh(x).numpy(), atol=1e-3)
+
+
+def test_export_fills_tied_weights_and_keeps_frozen_params_out_of_training():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight  # tied
+            self.scale = nn.Parameter(torch.tensor(2.0), requires_grad=False)  # frozen
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)) * self.scale
+
+    net = Tied()
+    fns = torch_model_fns(net)
+    params, state = fns.init(jax.random.key(0), {"x": jnp.ones((2, 4))})
+    assert sorted(params) == ["a.bias", "a.weight", "b.bias"]
+    assert sorted(state) == ["scale"]
+    grads = jax.grad(
+        lambda p: fns.apply(p, state, {"x": jnp.ones((2, 4))}, jax.random.key(0), True)[0].sum()
+    )(params)
+    assert float(jnp.abs(grads["a.weight"]).sum()) > 0
+    new = {k: v + 1.0 for k, v in params.items()}
+    sd = params_to_state_dict(new, state, net)
+    assert sorted(sd) == ["a.bias", "a.weight", "b.bias", "b.weight", "scale"]
+    fresh = Tied()
+    fresh.load_state_dict(sd, strict=True)
+    assert torch.equal(fresh.b.weight, torch.from_numpy(np.array(new["a.weight"])))
+    x = torch.randn(2, 4)
+    out = fns.apply(new, state, {"x": jnp.asarray(x.numpy())}, jax.random.key(0), False)[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(out), fresh(x).numpy(), rtol=1e-6)
+
+
+def test_dropout_follows_the_step_key_and_eval_turns_it_off():
+    torch.manual_seed(4)
+    net = MLP(64, features=(64,), dropout=0.5)
+    fns = torch_model_fns(net)
+    batch = {"x": jnp.ones((4, 64))}
+    params, state = fns.init(jax.random.key(0), batch)
+    apply = jax.jit(fns.apply, static_argnums=4)
+
+    def hidden_mask(key: jax.Array) -> np.ndarray:
+        # the gradient w.r.t. head.weight is zero exactly where dropout dropped a unit
+        g = jax.grad(lambda p: apply(p, state, batch, key, True)[0].sum())(params)
+        return np.asarray(g["head.weight"][0] != 0)
+
+    a, b, c = (
+        hidden_mask(jax.random.key(1)),
+        hidden_mask(jax.random.key(1)),
+        hidden_mask(jax.random.key(2)),
+    )
+    assert (a == b).all()  # deterministic per key
+    assert (a != c).any()  # a new key drops other units
+    assert 0.3 < a.mean() < 0.7  # about half kept
+    e1 = apply(params, state, batch, jax.random.key(1), False)[0]
+    e2 = apply(params, state, batch, jax.random.key(2), False)[0]
+    np.testing.assert_array_equal(np.asarray(e1), np.asarray(e2))
+    net.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(e1), net(torch.ones(4, 64)).numpy(), rtol=1e-5)
+    assert net.training is False  # the module's own mode is left as it was
+
+
+def test_unsupported_op_fails_at_extraction_naming_op_and_module():
+    with pytest.raises(TorchModelError) as info:
+        torch_model_fns(WithMaxPool(), example={"x": torch.zeros(2, 64)})
+    message = str(info.value)
+    assert "aten::adaptive_max_pool2d" in message
+    assert "pool (AdaptiveMaxPool1d)" in message
+    assert "Flax" in message
+
+
+def test_data_dependent_control_flow_is_reported_with_the_module():
+    fns = torch_model_fns(Branchy())
+    with pytest.raises(TorchModelError, match=r"<root> \(Branchy\).*data-dependent"):
+        jaxcore.init_train_state(
+            fns,
+            optax.sgd(0.1),
+            {"x": jnp.ones((8, 64))},
+            seed=0,
+            mesh=jaxcore.make_mesh({"data": -1}),
+        )
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(TorchModelError, match=r"expects a torch\.nn\.Module"):
+        torch_model_fns(MLP)  # the class, not an instance
+    fns = torch_model_fns(MLP(64, features=(8,)), inputs=("features",))
+    with pytest.raises(jaxcore.BatchError, match="missing"):
+        fns.init(jax.random.key(0), {"x": jnp.ones((2, 64))})
+    params, state = torch_model_fns(MLP(64, features=(8,))).init(
+        jax.random.key(0), {"x": jnp.ones((2, 64))}
+    )
+    with pytest.raises(TorchModelError, match="shape mismatches"):
+        params_to_state_dict(params, state, MLP(64, features=(16,)))

@@ -1,0 +1,23 @@
+"""Error classes of torchshell: each names what was expected, what came in, and the fix."""
+
+from __future__ import annotations
+
+
+class ShellError(Exception):
+    """Base class of every error torchshell raises on bad input."""
+
+
+class CheckpointError(ShellError, RuntimeError):
+    """A checkpoint that is damaged or does not belong to this model."""
+
+
+class ConfigError(ShellError, ValueError):
+    """A configuration value the shell cannot use."""
+
+
+class TorchModelError(ShellError, ValueError):
+    """A torch ``nn.Module`` that cannot become a JAX model (an op torchax cannot lower)."""
+
+
+class TrackingError(ShellError, ValueError):
+    """A tracking request the MLflow logger cannot carry out as asked."""
