@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,9 @@ import numpy as np
 import optax
 import pytest
 import torch
+from hydra.utils import instantiate
 from jax.sharding import NamedSharding, PartitionSpec
+from omegaconf import OmegaConf
 from torch import nn
 
 import jaxcore
@@ -301,3 +304,12 @@ def test_bad_inputs_raise_clear_errors():
     )
     with pytest.raises(TorchModelError, match="shape mismatches"):
         params_to_state_dict(params, state, MLP(64, features=(16,)))
+
+
+def test_config_form_builds_the_module_and_its_model_fns():
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf" / "model" / "torch_mlp.yaml")
+    module = instantiate(cfg.torch)
+    assert isinstance(module, MLP)
+    fns = torch_model_fns(module, inputs=tuple(cfg.inputs))
+    params, _ = fns.init(jax.random.key(0), {"x": jnp.ones((2, 64))})
+    assert params["layers.0.weight"].shape == (256, 64)  # nn.Linear layout: (out, in)
