@@ -2,23 +2,51 @@
 
 from bridge._batch import pad_batch, to_jax
 from bridge._dlpack import to_torch
-from bridge._errors import BridgeError, StateDictError, TransferError
+from bridge._errors import (
+    BridgeError,
+    ParityError,
+    SafetensorsError,
+    StateDictError,
+    TransferError,
+)
+from bridge._parity import ParityReport, check_parity
 from bridge._prefetch import Prefetcher, prefetch
-from bridge._state_dict import BUILTIN_RULES, export_state_dict, import_state_dict
+from bridge._safetensors import load_safetensors, save_safetensors
+from bridge._state_dict import (
+    BUILTIN_RULES,
+    CONV_KERNEL,
+    CONV_TRANSPOSE_KERNEL,
+    DENSE_KERNEL,
+    Transform,
+    export_state_dict,
+    import_state_dict,
+    state_dict_sources,
+)
 from bridge._stats import TransferStats, new_stats
 
 __all__ = [
     "BUILTIN_RULES",
+    "CONV_KERNEL",
+    "CONV_TRANSPOSE_KERNEL",
+    "DENSE_KERNEL",
     "BridgeError",
+    "ParityError",
+    "ParityReport",
     "Prefetcher",
+    "SafetensorsError",
     "StateDictError",
     "TransferError",
     "TransferStats",
+    "Transform",
+    "check_parity",
     "export_state_dict",
     "import_state_dict",
+    "load_safetensors",
     "new_stats",
     "pad_batch",
     "prefetch",
+    "save_safetensors",
+    "state_dict_sources",
     "to_jax",
     "to_torch",
 ]

@@ -20,3 +20,11 @@ class StateDictError(BridgeError, KeyError):
 
 class PrefetchError(BridgeError, ValueError):
     """Bad arguments to :func:`bridge.prefetch` (e.g. a queue size below 1)."""
+
+
+class SafetensorsError(BridgeError, ValueError):
+    """A safetensors file that is missing, unreadable, or not what it should hold."""
+
+
+class ParityError(BridgeError, ValueError):
+    """JAX and torch outputs that differ beyond tolerance, or cannot be compared."""
