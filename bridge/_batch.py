@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from bridge._dlpack import aliases, copied_shard_bytes, host_view, prepare
+from bridge._dlpack import copied_shard_bytes, host_view, prepare
 from bridge._errors import TransferError
 from bridge._stats import TransferStats
 from bridge._tree import PyTree, leaves, map_leaves
@@ -130,14 +130,15 @@ def _shard_copy_error(name: str, t: torch.Tensor, copied: int) -> TransferError:
 
 
 def _place_single(
-    name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats, own: bool
+    name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats | None, own: bool
 ) -> jax.Array:
     out = jax.dlpack.from_dlpack(t)
-    if t.device.type == "cpu" and not aliases(out, t):
+    if t.is_cpu and t.numel() and out.unsafe_buffer_pointer() != t.data_ptr():
         if strict:
             raise _shard_copy_error(name, t, t.nbytes)
-        stats.record_copy(name, "JAX copied the buffer on import", t.nbytes)
-    elif own:
+        if stats is not None:
+            stats.record_copy(name, "JAX copied the buffer on import", t.nbytes)
+    elif own and stats is not None:
         stats.zero_copy_bytes += t.nbytes
     return out
 
@@ -147,31 +148,35 @@ def _place_sharded(
     sharding: Sharding,
     *,
     strict: bool,
-    stats: TransferStats,
+    stats: TransferStats | None,
     copied_names: set[str],
 ) -> list[jax.Array]:
     shardings = [_leaf_sharding(sharding, t.dim()) for _, t in named]
-    local = [
-        host_view(t) if t.device.type == "cpu" else jax.dlpack.from_dlpack(t) for _, t in named
-    ]
-    # One batched call: device_put with one process, per-process rows assembled into one
-    # global array with several (each process passes its own rows).
+    local = [host_view(t) if t.is_cpu else jax.dlpack.from_dlpack(t) for _, t in named]
+    # One batched call: device_put with one process; with several, each process's rows are
+    # assembled into one global array.
     out: list[jax.Array] = jax.make_array_from_process_local_data(shardings, local)
     for (name, t), s, x in zip(named, shardings, out, strict=True):
         own = name not in copied_names
-        if t.device.type != "cpu":
-            stats.zero_copy_bytes += t.nbytes if own else 0
-        elif not _on_cpu(s):
-            stats.host_to_device_bytes += t.nbytes
-        else:
-            copied = copied_shard_bytes(x, t) if t.numel() else 0
-            if copied and strict:
-                raise _shard_copy_error(name, t, copied)
-            if copied:
-                stats.record_copy(
-                    name, "JAX copied shards whose host offset is not 64-byte aligned", copied
-                )
-            stats.zero_copy_bytes += max(t.nbytes - copied, 0) if own else 0
+        if not t.is_cpu:
+            if stats is not None and own:
+                stats.zero_copy_bytes += t.nbytes
+            continue
+        if not _on_cpu(s):
+            if stats is not None:
+                stats.host_to_device_bytes += t.nbytes
+            continue
+        copied = copied_shard_bytes(x, t) if t.numel() else 0
+        if copied and strict:
+            raise _shard_copy_error(name, t, copied)
+        if stats is None:
+            continue
+        if copied:
+            stats.record_copy(
+                name, "JAX copied shards whose host offset is not 64-byte aligned", copied
+            )
+        if own:
+            stats.zero_copy_bytes += max(t.nbytes - copied, 0)
     return out
 
 
@@ -221,8 +226,16 @@ def to_jax(
         >>> out["x"].unsafe_buffer_pointer() == t.data_ptr()
         True
     """
-    stats = TransferStats() if stats is None else stats
-    stats.transfers += 1
+    if stats is not None:
+        stats.transfers += 1
+    if sharding is None and pad_to is None:  # the lean path: one walk, no bookkeeping sets
+
+        def hand_over(name: str, t: torch.Tensor) -> jax.Array:
+            ready = prepare(name, t, strict=strict, stats=stats)
+            return _place_single(name, ready, strict=strict, stats=stats, own=ready is t)
+
+        return map_leaves(hand_over, tree, _is_tensor)
+
     copied_names: set[str] = set()
 
     def policy(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -245,8 +258,9 @@ def to_jax(
         tree = pad_batch(tree, rows)
         for name, t in leaves(tree, _is_tensor):
             if name in before and t.data_ptr() != before[name]:
-                stats.record_copy(name, f"ragged batch padded to {rows} rows", t.nbytes)
                 copied_names.add(name)
+                if stats is not None:
+                    stats.record_copy(name, f"ragged batch padded to {rows} rows", t.nbytes)
     if sharding is None:
         return map_leaves(
             lambda name, t: _place_single(

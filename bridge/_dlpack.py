@@ -92,13 +92,28 @@ def _narrow(name: str, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def prepare(name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats) -> torch.Tensor:
+def prepare(
+    name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats | None
+) -> torch.Tensor:
     """Returns ``t`` itself when it can cross zero-copy, else one policy copy of it.
 
     Raises:
         TransferError: for an unsupported dtype, an out-of-range narrowing, or any copy in
             strict mode.
     """
+    if (
+        t.dtype in SUPPORTED
+        and not t.requires_grad
+        and t.is_contiguous()
+        and (not t.is_cpu or (not t.data_ptr() % ALIGN and not t.is_pinned()))
+    ):
+        return t  # the fast path: nothing to copy (a null pointer of an empty tensor is aligned)
+    return _policy_copy(name, t, strict=strict, stats=stats)
+
+
+def _policy_copy(
+    name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats | None
+) -> torch.Tensor:
     reasons = []
     narrow = t.dtype in NARROW and not jax.config.jax_enable_x64
     if narrow:
@@ -113,14 +128,14 @@ def prepare(name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats) -
         )
     if t.requires_grad:
         reasons.append("requires grad (copied so later in-place updates cannot reach JAX)")
-    on_cpu = t.device.type == "cpu"
+    on_cpu = t.is_cpu
     if not t.is_contiguous():
         reasons.append(f"non-contiguous strides {tuple(t.stride())}")
     elif on_cpu and t.numel() and t.data_ptr() % ALIGN:
         reasons.append(f"data pointer not {ALIGN}-byte aligned")
     if on_cpu and t.is_pinned():
         reasons.append("pinned memory (JAX's CPU client refuses it)")
-    if not reasons:
+    if not reasons:  # e.g. an empty tensor with an odd (never dereferenced) pointer
         return t
     if strict:
         raise TransferError(
@@ -131,7 +146,8 @@ def prepare(name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats) -
         if out is t or out.data_ptr() == t.data_ptr() or not out.is_contiguous():
             # torch's allocator aligns fresh buffers to 64 bytes and never pins them.
             out = torch.empty_like(out, memory_format=torch.contiguous_format).copy_(out)
-    stats.record_copy(name, "; ".join(reasons), out.nbytes)
+    if stats is not None:
+        stats.record_copy(name, "; ".join(reasons), out.nbytes)
     return out
 
 
@@ -140,18 +156,6 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.uint16).numpy().view(jnp.bfloat16)
     return t.numpy()
-
-
-def aliases(x: jax.Array, t: torch.Tensor) -> bool:
-    """True when every addressable shard of ``x`` lies inside ``t``'s host buffer."""
-    if not t.numel():
-        return True
-    lo = t.data_ptr()
-    hi = lo + t.nbytes
-    for shard in x.addressable_shards:
-        if shard.data.size and not lo <= shard.data.unsafe_buffer_pointer() < hi:
-            return False
-    return True
 
 
 def copied_shard_bytes(x: jax.Array, t: torch.Tensor) -> int:

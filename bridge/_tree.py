@@ -32,10 +32,10 @@ def map_leaves(
     """
     if is_leaf(tree):
         return fn(prefix or "<root>", tree)
+    if type(tree) is dict:  # the common case first: collated batches are plain dicts
+        return {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
     if isinstance(tree, Mapping):
         items = {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
-        if type(tree) is dict:
-            return items
         try:
             return type(tree)(items)
         except TypeError:
