@@ -12,11 +12,20 @@ import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import jaxcore
 from jaxcore import losses
+from torchshell._errors import CheckpointError
+from torchshell.checkpoint import (
+    CheckpointOnSigterm,
+    OrbaxCheckpointIO,
+    latest_checkpoint,
+    verify,
+)
 from torchshell.config import register_configs
 from torchshell.export import export_twin, max_abs_diff
 from torchshell.module import JaxModule
@@ -64,6 +73,52 @@ def _loss(name: str) -> Any:
     return fn
 
 
+def build(cfg: DictConfig) -> tuple[L.LightningDataModule, JaxModule, torch.nn.Module]:
+    """The data module, the :class:`JaxModule` and the torch twin a config describes."""
+    data = instantiate(cfg.data, seed=cfg.seed)
+    flax_model = instantiate(cfg.model.flax, _convert_="all")
+    twin = instantiate(cfg.model.twin, _convert_="all")
+    module = JaxModule(
+        flax_model,
+        _loss(cfg.model.loss),
+        jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim)),
+        mesh=jaxcore.make_mesh(dict(cfg.mesh.axes)),
+        inputs=list(cfg.model.inputs),
+        seed=cfg.seed,
+        print_summary=cfg.trainer.enable_model_summary,
+    )
+    return data, module, twin
+
+
+def _export_hook(cfg: DictConfig, module: JaxModule, twin: torch.nn.Module) -> Any:
+    """Writes the torch twin's weights and the config beside a checkpoint."""
+
+    def on_save(directory: Path) -> None:
+        export_twin(module.state.params, twin, directory / "export" / "model.safetensors")
+        OmegaConf.save(cfg, directory / "config.yaml")
+
+    return on_save
+
+
+def _resume_path(cfg: DictConfig) -> str | None:
+    if cfg.resume in (None, "", "null"):
+        return None
+    if cfg.resume == "last":
+        found = latest_checkpoint(cfg.ckpt.dir)
+        if found is None:
+            print(f"coreshell: resume=last but no intact checkpoint in {cfg.ckpt.dir}: "
+                  "starting a new run.")
+        return None if found is None else str(found)
+    problem = verify(Path(cfg.resume))
+    if problem is not None:
+        raise CheckpointError(
+            f"resume={cfg.resume} is not an intact checkpoint: {problem}. Fix: pass a "
+            f"checkpoint directory, or resume=last to take the newest intact one in "
+            f"ckpt.dir ({cfg.ckpt.dir})."
+        )
+    return str(cfg.resume)
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Runs one training job from a resolved config; returns the run's summary.
 
@@ -75,35 +130,40 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    data = instantiate(cfg.data, seed=cfg.seed)
-    flax_model = instantiate(cfg.model.flax, _convert_="all")
-    twin = instantiate(cfg.model.twin, _convert_="all")
-    module = JaxModule(
-        flax_model,
-        _loss(cfg.model.loss),
-        jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim)),
-        mesh=jaxcore.make_mesh(dict(cfg.mesh.axes)),
-        inputs=list(cfg.model.inputs),
-        seed=cfg.seed,
-    )
-    logger = MLFlowLogger(
-        experiment_name=cfg.tracking.experiment,
-        tracking_uri=cfg.tracking.uri,
-        run_name=cfg.tracking.run_name,
-    )
+    data, module, twin = build(cfg)
+    ckpt_path = _resume_path(cfg)
+    logger = MLFlowLogger(experiment_name=cfg.tracking.experiment,
+                          tracking_uri=cfg.tracking.uri, run_name=cfg.tracking.run_name)
     logger.log_hyperparams(_flatten(cfg))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        default_root_dir=str(out_dir),
-        **OmegaConf.to_container(cfg.trainer),
-    )
-    trainer.fit(module, datamodule=data)
+    checkpointing = cfg.ckpt.every_n_steps > 0
+    sigterm = CheckpointOnSigterm(cfg.ckpt.dir)
+    callbacks: list[L.Callback] = [sigterm]
+    if checkpointing:
+        callbacks.append(ModelCheckpoint(dirpath=cfg.ckpt.dir, monitor="step", mode="max",
+                                         save_top_k=cfg.ckpt.keep,
+                                         every_n_train_steps=cfg.ckpt.every_n_steps))
+    ckpt_io = OrbaxCheckpointIO(lambda: module.state, module.restore_from,
+                                _export_hook(cfg, module, twin))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
+                        plugins=[ckpt_io], enable_checkpointing=checkpointing,
+                        default_root_dir=str(out_dir),
+                        **{**OmegaConf.to_container(cfg.trainer), "enable_model_summary": False})
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except SIGTERMException:
+        logger.finalize("KILLED")
+        print(f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
+              f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}")
+        raise SystemExit(0) from None
+    metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
     if cfg.test_after_fit:
         trainer.test(module, datamodule=data, verbose=False)
+        metrics.update({k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()})
 
-    assert module.state is not None
+    if module.state is None:
+        raise RuntimeError("Training ran no step, so there is nothing to export. Fix: check "
+                           "trainer.max_steps/limit_train_batches and that the data set is "
+                           "not empty.")
     export_path = export_twin(module.state.params, twin, out_dir / "export" / "model.safetensors")
     batch = next(iter(data.test_dataloader()))
     jax_logits = module.predict_step(batch, 0)
@@ -113,23 +173,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     logger.log_metrics({"export/parity_max_abs_diff": parity})
     config_file = out_dir / "config.yaml"
     OmegaConf.save(cfg, config_file)
+    summary_file = out_dir / "model_summary.txt"
+    summary_file.write_text(module.summary + "\n")
     client, run_id = logger.experiment, logger.run_id
-    client.log_artifact(run_id, str(config_file))
+    for path in (config_file, summary_file):
+        client.log_artifact(run_id, str(path))
     client.log_artifact(run_id, str(export_path), "export")
     logger.finalize("success")
-    metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
     print(f"\nMLflow run {run_id} in {cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})")
     print("  metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
     print(f"  torch twin weights: {export_path} (parity max abs diff {parity:.2e})")
     if cfg.tracking.uri.startswith("sqlite:"):
         print(f"  open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
-    return {
-        "run_id": run_id,
-        "tracking_uri": cfg.tracking.uri,
-        "export": str(export_path),
-        "parity_max_abs_diff": parity,
-        "metrics": metrics,
-    }
+    return {"run_id": run_id, "tracking_uri": cfg.tracking.uri, "export": str(export_path),
+            "parity_max_abs_diff": parity, "metrics": metrics}
 
 
 def _train_main(argv: Sequence[str]) -> None:

@@ -47,7 +47,6 @@ class TrainerConfig:
     num_sanity_val_steps: int = 0
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
-    enable_checkpointing: bool = False
     deterministic: bool = False
 
 
@@ -58,6 +57,15 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "coreshell"
     run_name: str | None = None
+
+
+@dataclass
+class CkptConfig:
+    """Orbax checkpoints of the JAX state with Lightning's loop state, every N steps."""
+
+    dir: str = "checkpoints/${tracking.experiment}"
+    every_n_steps: int = 200
+    keep: int = 2
 
 
 @dataclass
@@ -80,6 +88,8 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    resume: str | None = None
     seed: int = 0
     test_after_fit: bool = True
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import lightning as L
+import numpy as np
 import optax
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -15,6 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
+from torchshell.checkpoint import restore_state
+from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -35,6 +41,8 @@ class JaxModule(L.LightningModule):
         inputs: batch keys a linen module reads.
         seed: seeds the params and the step's rng.
         data_axis: the mesh axis the batch is split over.
+        print_summary: print the JAX parameter tree's summary (counts, bytes, sharding)
+            when the state is built; Lightning's own summary sees no torch params.
 
     Example:
         >>> import jaxcore, lightning as L
@@ -59,6 +67,7 @@ class JaxModule(L.LightningModule):
         inputs: Sequence[str] = ("x",),
         seed: int = 0,
         data_axis: str = "data",
+        print_summary: bool = True,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -77,6 +86,10 @@ class JaxModule(L.LightningModule):
         self._eval_step: Callable[..., Any] | None = None
         self._predict_step: Callable[..., Any] | None = None
         self._eval_sums: dict[str, jax.Array] | None = None
+        self._restore_dir: Path | None = None
+        self._last_log: tuple[float, int] | None = None
+        self.summary = ""
+        self.print_summary = print_summary
 
     # -- state ---------------------------------------------------------------------------
     def _global_rows(self, batch: dict[str, torch.Tensor]) -> int:
@@ -92,10 +105,17 @@ class JaxModule(L.LightningModule):
         """Initialises the train state from a sample batch (shapes only) if not done yet."""
         if self.state is None:
             sample = self._to_jax(batch, self._global_rows(batch))
-            self.state = jaxcore.init_train_state(
+            state = jaxcore.init_train_state(
                 self.model_fns, self.tx, sample, seed=self.seed, mesh=self.mesh
             )
+            if self._restore_dir is not None:
+                state = restore_state(self._restore_dir, state)
+                self._restore_dir = None
+            self.state = state
             self._train_rows = self._global_rows(batch)
+            self.summary = param_summary(state.params)
+            if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
+                print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
         return self.state
 
     # -- training ------------------------------------------------------------------------
@@ -114,8 +134,15 @@ class JaxModule(L.LightningModule):
         progress.increment_completed()
         if self.trainer._logger_connector.should_update_logs:
             host = jax.device_get(metrics)  # the only sync: on logging steps
-            self.log_dict({f"train/{k}": float(v) for k, v in host.items()}, prog_bar=True)
-            self.log("train/lr", float(jaxcore.current_lr(self.state.opt_state)))
+            logs = {f"train/{k}": float(v) for k, v in host.items()}
+            logs["train/lr"] = float(jaxcore.current_lr(self.state.opt_state))
+            now, step = time.perf_counter(), self.trainer.global_step
+            if self._last_log is not None and step > self._last_log[1]:
+                rate = (step - self._last_log[1]) / (now - self._last_log[0])
+                logs["perf/steps_per_s"] = rate
+                logs["perf/samples_per_s"] = rate * self._train_rows
+            self._last_log = (now, step)
+            self.log_dict(logs, prog_bar=True)
 
     # -- evaluation ----------------------------------------------------------------------
     def _eval(self, batch: dict[str, torch.Tensor]) -> None:
@@ -158,6 +185,33 @@ class JaxModule(L.LightningModule):
         n = next(iter(batch.values())).shape[0]
         outputs = self._predict_step(state, self._to_jax(batch, self._global_rows(batch)))
         return bridge.to_torch(outputs)[:n]
+
+    # -- checkpoints (the files themselves: torchshell.checkpoint.OrbaxCheckpointIO) ---------
+    def restore_from(self, directory: Path) -> None:
+        """Restores the JAX state from an Orbax directory when the state is (re)built."""
+        if self.state is not None:
+            self.state = restore_state(directory, self.state)
+        else:
+            self._restore_dir = directory
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        np_state = np.random.get_state()
+        checkpoint["coreshell_rng"] = {
+            "torch": torch.get_rng_state(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                      *np_state[2:]],
+            "python": random.getstate(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        rng = checkpoint.get("coreshell_rng")
+        if rng is None:
+            return
+        torch.set_rng_state(rng["torch"])
+        name, keys, *rest = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
 
     def configure_optimizers(self) -> None:
         """No torch optimizer: the optax optimizer runs inside the JAX step."""

@@ -1,0 +1,37 @@
+"""DataLoader settings that are safe beside JAX."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
+    """DataLoader keyword arguments for ``num_workers`` workers beside a running JAX.
+
+    JAX is multithreaded and not fork-safe: forking after it starts warns ("os.fork() was
+    called ... JAX is multithreaded, so this will likely lead to a deadlock"). So workers
+    start with ``spawn`` (never ``fork``), and are kept alive across epochs
+    (``persistent_workers``) because a spawned worker is slow to start (it imports torch and
+    the dataset's module afresh: 2.6 s against 0.11 s with fork for 64 batches, measured).
+
+    Seeding: the ``generator`` fixes the shuffle order and the workers' base seed; torch then
+    seeds ``random``, ``numpy`` and ``torch`` in each worker from it (no ``worker_init_fn``,
+    so a spawned worker imports only what the dataset itself needs).
+
+    Example:
+        >>> loader_kwargs(0, seed=1)["num_workers"]
+        0
+        >>> loader_kwargs(2, seed=1)["multiprocessing_context"]
+        'spawn'
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if num_workers == 0:
+        return {"num_workers": 0, "generator": generator}
+    return {
+        "num_workers": num_workers,
+        "multiprocessing_context": "spawn",
+        "persistent_workers": True,
+        "generator": generator,
+    }
