@@ -87,7 +87,7 @@ def main() -> None:
         del probe
         copy_repeats = max(5, min(zero_repeats, (64 * KIB * KIB) // nbytes * 5))
         runs = {
-            "bridge": _time(lambda t=t: bridge.to_jax({"x": t}, stats=stats), zero_repeats),
+            "bridge": _time(lambda t=t, s=stats: bridge.to_jax({"x": t}, stats=s), zero_repeats),
             "dlpack": _time(lambda t=t: jnp.from_dlpack(t), zero_repeats),
             "device_put": _time(lambda t=t: jax.device_put(t.numpy()), zero_repeats),
             "copy": _time(lambda t=t: jnp.asarray(t.numpy()), copy_repeats),

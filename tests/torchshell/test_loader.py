@@ -1,0 +1,68 @@
+"""DataLoader workers beside a running JAX: spawned, persistent, and feeding the bridge."""
+
+import warnings
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+from torch.utils.data import DataLoader, StackDataset
+
+import bridge
+import jaxcore
+from torchshell.data import loader_kwargs
+from torchshell.data.digits import DigitsDataset
+
+
+def _fork_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "fork" in str(w.message)]
+
+
+def test_spawned_workers_feed_the_bridge_without_the_fork_warning():
+    jax.devices()  # JAX is initialised (and multithreaded) before the workers start
+    digits = DigitsDataset()
+    # the same rows as a torch-only dataset, so each spawned worker imports just torch
+    ds = StackDataset(x=digits.x, y=digits.y)
+    loader = DataLoader(ds, batch_size=64, **loader_kwargs(2, seed=0))
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
+    assert loader.persistent_workers
+    sharding = NamedSharding(jaxcore.make_mesh({"data": -1}), PartitionSpec("data"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = iter(loader)
+        ys, rows = [], 0
+        with bridge.prefetch(first, sharding=sharding, pad_to=64) as batches:
+            for batch in batches:
+                mask = np.asarray(batch["mask"])
+                ys.append(np.asarray(batch["y"])[mask])
+                rows += int(mask.sum())
+        second = iter(loader)  # the next epoch reuses the same worker processes
+    assert not _fork_warnings(caught), _fork_warnings(caught)
+    assert second is first
+    assert rows == len(ds) == 1797
+    assert np.array_equal(np.concatenate(ys), digits.y.numpy())
+    del first, second, loader
+
+
+def test_forking_after_jax_starts_is_what_the_warning_catches():
+    # the control: the same loader with the default fork context does warn
+    jax.devices()
+    loader = DataLoader(
+        DigitsDataset(), batch_size=512, num_workers=1, multiprocessing_context="fork", timeout=60
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = sum(len(b["y"]) for b in loader)
+    assert n == 1797
+    assert any("JAX is multithreaded" in m for m in _fork_warnings(caught))
+
+
+def test_no_workers_needs_no_context():
+    kwargs = loader_kwargs(0, seed=1)
+    assert kwargs["num_workers"] == 0 and "multiprocessing_context" not in kwargs
+    a = [b["y"] for b in DataLoader(DigitsDataset(), batch_size=600, shuffle=True, **kwargs)]
+    b = [
+        b["y"]
+        for b in DataLoader(DigitsDataset(), batch_size=600, shuffle=True, **loader_kwargs(0, 1))
+    ]
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # seeded order
