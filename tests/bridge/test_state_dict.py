@@ -1,5 +1,6 @@
 """Flax (linen, nnx) <-> torch state_dict conversion: parity, round trips, strict errors."""
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,9 +136,7 @@ class Stack(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scan = nn.scan(
-            Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-        )
+        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
         return scan(name="layers")(x, None)[0]
 
 
@@ -306,9 +305,11 @@ def _permute_outputs(name, out):
     return out
 
 
-def _apply(name, case):
-    apply, variables = case.flax()
-    return (lambda v, *xs: _permute_outputs(name, apply(v, *xs))), variables
+@functools.cache
+def _apply(name):
+    """One jitted apply per model (one compile instead of one per eager op), and its vars."""
+    apply, variables = CASES[name].flax()
+    return jax.jit(lambda v, *xs: _permute_outputs(name, apply(v, *xs))), variables
 
 
 def _assert_bit_equal(a, b):
@@ -326,7 +327,7 @@ def _assert_bit_equal(a, b):
 @pytest.mark.parametrize("name", IDS)
 def test_export_forward_parity(name):
     case = CASES[name]
-    apply, variables = _apply(name, case)
+    apply, variables = _apply(name)
     module = case.torch().eval()
     module.load_state_dict(bridge.export_state_dict(variables, module, **case.kw), strict=True)
     report = bridge.check_parity(apply, variables, module, case.inputs(), rtol=1e-5, atol=1e-5)
@@ -337,7 +338,7 @@ def test_export_forward_parity(name):
 @pytest.mark.parametrize("name", IDS)
 def test_warm_start_from_random_torch_model(name):
     case = CASES[name]
-    apply, template = _apply(name, case)
+    apply, template = _apply(name)
     module = _torch_random_stats(case.torch()).eval()
     imported = bridge.import_state_dict(module.state_dict(), template, **case.kw)
     assert jax.tree.structure(imported) == jax.tree.structure(template)
@@ -348,7 +349,7 @@ def test_warm_start_from_random_torch_model(name):
 @pytest.mark.parametrize("name", IDS)
 def test_round_trips_are_bit_exact(name):
     case = CASES[name]
-    _, variables = case.flax()
+    _, variables = _apply(name)
     module = _torch_random_stats(case.torch())
     # params -> state_dict -> params
     exported = bridge.export_state_dict(variables, module, **case.kw)
@@ -375,11 +376,11 @@ def test_mlp_export_matches_twin_and_round_trips():
 
 
 def test_attention_key_names_and_bn_counter():
-    _, variables = CASES["transformer"].flax()
+    _, variables = _apply("transformer")
     sd = bridge.export_state_dict(variables)
     assert tuple(sd["attn.in_proj_weight"].shape) == (48, 16)
     assert {"attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias"} <= set(sd)
-    _, cnn_vars = CASES["cnn_batchnorm"].flax()
+    _, cnn_vars = _apply("cnn_batchnorm")
     sd = bridge.export_state_dict(cnn_vars)
     assert sd["BatchNorm.1.num_batches_tracked"].dtype == torch.int64
     assert "BatchNorm.0.running_var" in sd and "Conv.1.weight" in sd
@@ -422,7 +423,7 @@ def test_strict_export_names_wrong_dtype_and_cast_fixes_it():
 
 
 def test_import_errors_name_missing_keys_and_batchnorm_hint():
-    _, variables = CASES["cnn_batchnorm"].flax()
+    _, variables = _apply("cnn_batchnorm")
     sd = TorchCNN().state_dict()
     del sd["Dense.0.bias"]
     with pytest.raises(bridge.StateDictError, match=r"missing keys[^\n]*\n\s+Dense\.0\.bias"):
@@ -483,7 +484,7 @@ def test_sharded_params_gather_and_import_keeps_shardings():
 
 def test_safetensors_round_trip_with_metadata(tmp_path: Path):
     case = CASES["scanned_layers"]
-    _, variables = case.flax()
+    _, variables = _apply("scanned_layers")
     sd = bridge.export_state_dict(variables, **case.kw)  # views of one stacked buffer
     sources = bridge.state_dict_sources(variables, **case.kw)
     path = bridge.save_safetensors(sd, tmp_path / "m.safetensors", sources=sources)
@@ -507,7 +508,7 @@ def test_load_safetensors_refuses_pickles(tmp_path: Path):
 
 def test_check_parity_reports_a_wrong_weight():
     case = CASES["mlp"]
-    apply, variables = case.flax()
+    apply, variables = _apply("mlp")
     module = case.torch().eval()
     sd = bridge.export_state_dict(variables, module)
     sd["head.bias"] = sd["head.bias"] + 1e-3

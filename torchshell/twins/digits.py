@@ -26,10 +26,15 @@ class MLP(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        self.in_features = in_features
         widths = [in_features, *features]
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(widths[-1], num_classes)
+
+    def example_input(self, batch: int = 2) -> torch.Tensor:
+        """A sample input for tracing and ONNX export: float32 ``[batch, in_features]``."""
+        return torch.randn(batch, self.in_features, generator=torch.Generator().manual_seed(0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, in_features]
         for layer in self.layers:

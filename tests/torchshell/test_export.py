@@ -1,0 +1,109 @@
+"""`coreshell export`: run dirs and MLflow runs -> safetensors, torch.save and ONNX, verified."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import mlflow
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import bridge
+from jaxcore.models.digits import MLP
+from torchshell.export import export_command, export_twin
+from torchshell.twins.digits import MLP as TwinMLP
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "model" / "digits.yaml"
+
+
+def _run_dir(root: Path, features=(16,)) -> tuple[Path, MLP, dict]:
+    """What `coreshell train` leaves: config.yaml + export/model.safetensors."""
+    cfg = OmegaConf.create({"model": OmegaConf.load(CONF), "seed": 0})
+    cfg.model.flax.features = list(features)
+    run = root / "run"
+    run.mkdir()
+    OmegaConf.save(cfg, run / "config.yaml")
+    model = MLP(features=tuple(features))
+    params = model.init(jax.random.key(1), jnp.ones((1, 64)))["params"]
+    export_twin(params, TwinMLP(features=features), run / "export" / "model.safetensors")
+    return run, model, params
+
+
+def test_onnx_export_matches_the_flax_model(tmp_path: Path, capsys):
+    run, model, params = _run_dir(tmp_path)
+    out = tmp_path / "m.onnx"
+    export_command([str(run), "--format", "onnx", "--out", str(out)])
+    assert "onnxruntime vs torch: max abs diff" in capsys.readouterr().out
+    x = np.random.default_rng(0).standard_normal((7, 64)).astype(np.float32)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x})
+    want = np.asarray(model.apply({"params": params}, x))
+    assert got.shape == (7, 10) and np.abs(got - want).max() < 1e-5
+
+
+def test_torch_format_is_weights_only_and_loads_into_the_twin(tmp_path: Path):
+    run, _, _ = _run_dir(tmp_path)
+    export_command([str(run), "--format", "torch"])
+    state_dict = torch.load(run / "export" / "model.pt", weights_only=True)
+    twin = TwinMLP(features=(16,))
+    twin.load_state_dict(state_dict, strict=True)
+    reference, _ = bridge.load_safetensors(run / "export" / "model.safetensors")
+    assert all(torch.equal(state_dict[k], v) for k, v in reference.items())
+
+
+def test_safetensors_from_an_mlflow_run_id(tmp_path: Path, monkeypatch):
+    run, _, _ = _run_dir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("export")).info.run_id
+    client.log_artifact(run_id, str(run / "config.yaml"))
+    client.log_artifact(run_id, str(run / "export" / "model.safetensors"), "export")
+    client.set_terminated(run_id)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    export_command([run_id, "--format", "safetensors", "--tracking-uri", uri])
+    got, meta = bridge.load_safetensors(work / "model.safetensors")
+    want, _ = bridge.load_safetensors(run / "export" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert meta["source"] == run_id
+    assert meta["tensors"]["head.weight"]["source"] == ["params/head/kernel"]
+
+
+def test_cli_dispatches_export(tmp_path: Path):
+    from torchshell.cli import main
+
+    run, _, _ = _run_dir(tmp_path)
+    main(["export", str(run), "--format", "torch", "--out", str(tmp_path / "w.pt")])
+    assert sorted(torch.load(tmp_path / "w.pt", weights_only=True)) == sorted(
+        TwinMLP(features=(16,)).state_dict()
+    )
+
+
+def test_bad_sources_exit_with_a_clear_message(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        export_command(["no-such-run", "--format", "onnx"])
+    assert exit_.value.code == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()  # a typo creates no store
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        export_command([str(tmp_path / "empty"), "--format", "torch"])
+    assert "export/model.safetensors" in capsys.readouterr().err
+
+    run, _, _ = _run_dir(tmp_path, features=(16,))
+    cfg = OmegaConf.load(run / "config.yaml")
+    cfg.model.flax.features = [8]
+    OmegaConf.save(cfg, run / "config.yaml")
+    with pytest.raises(SystemExit):
+        export_command([str(run), "--format", "safetensors"])
+    assert "do not fit the twin MLP" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exit_:
+        export_command([str(run), "--format", "tflite"])
+    assert exit_.value.code == 2  # argparse names the allowed formats
