@@ -27,7 +27,7 @@ from torchshell.checkpoint import (
     verify,
 )
 from torchshell.config import register_configs
-from torchshell.export import export_twin, max_abs_diff
+from torchshell.export import export_command, export_twin, max_abs_diff
 from torchshell.module import JaxModule
 
 USAGE = """usage: coreshell train [OVERRIDES...]
@@ -206,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command == "train":
         _train_main(rest)
+    elif command == "export":
+        export_command(rest)
     else:
         print(f"coreshell: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
