@@ -117,7 +117,7 @@ def _leaf_sharding(sharding: Sharding, ndim: int) -> Sharding:
 
 @functools.lru_cache(maxsize=256)
 def _on_cpu(sharding: Sharding) -> bool:
-    return all(d.platform == "cpu" for d in sharding.device_set)
+    return all(getattr(d, "platform", None) == "cpu" for d in sharding.device_set)
 
 
 def _shard_copy_error(name: str, t: torch.Tensor, copied: int) -> TransferError:

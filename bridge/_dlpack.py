@@ -115,7 +115,7 @@ def _policy_copy(
     name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats | None
 ) -> torch.Tensor:
     reasons = []
-    narrow = t.dtype in NARROW and not jax.config.jax_enable_x64
+    narrow = t.dtype in NARROW and not jax.config.read("jax_enable_x64")
     if narrow:
         target = str(NARROW[t.dtype]).removeprefix("torch.")
         reasons.append(f"{t.dtype} narrowed to {target} (JAX runs with x64 off)")

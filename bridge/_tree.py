@@ -36,8 +36,9 @@ def map_leaves(
         return {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
     if isinstance(tree, Mapping):
         items = {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
+        cls: Any = type(tree)
         try:
-            return type(tree)(items)
+            return cls(items)
         except TypeError:
             return items
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple

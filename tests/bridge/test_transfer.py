@@ -2,6 +2,10 @@
 
 import dataclasses
 import gc
+import json
+import socket
+import subprocess
+import sys
 from typing import NamedTuple
 
 import jax
@@ -295,6 +299,67 @@ def test_prefetch_stops_its_thread_when_closed_early():
     assert not it._thread.is_alive()
     with pytest.raises(bridge.BridgeError, match="size"):
         bridge.prefetch([], size=0)
+
+
+# -- several processes ------------------------------------------------------------------------
+_WORKER = """
+import json
+import os
+import sys
+
+pid, port = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax
+
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import jax.numpy as jnp
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+import bridge
+import jaxcore
+
+sharding = NamedSharding(jaxcore.make_mesh({"data": -1}), PartitionSpec("data"))
+n = 30 if pid == 0 else 27  # this process's rows: both ragged
+rows = torch.arange(n, dtype=torch.float32) + 1000 * pid
+batch = {"x": rows[:, None].repeat(1, 16).contiguous(), "y": rows.to(torch.int32)}
+stats = bridge.new_stats()
+out = bridge.to_jax(batch, sharding, pad_to=32, stats=stats)
+total = jax.jit(lambda b: jnp.sum(b["x"][:, 0] * b["mask"]))(out)
+gathered = bridge.to_torch(out)
+print("RESULT", json.dumps([list(out["x"].shape), float(total), gathered["y"].tolist()]))
+jax.distributed.shutdown()
+"""
+
+
+def test_two_processes_each_pass_their_rows_into_one_global_batch(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    expected_y = [*range(30), 0, 0, *range(1000, 1027), 0, 0, 0, 0, 0]
+    for out in outs:
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, out[-3000:]
+        shape, total, ys = json.loads(lines[0].removeprefix("RESULT "))
+        # 30 + 27 ragged local rows, each padded to 32: one (64, 16) array in process order
+        assert shape == [64, 16] and total == sum(range(30)) + sum(range(1000, 1027))
+        assert ys == expected_y
 
 
 # -- accelerators -----------------------------------------------------------------------------
