@@ -460,11 +460,14 @@ def _leaf_to_torch(x: Any) -> torch.Tensor:
             elif x.is_fully_addressable:
                 x = jax.device_put(x, next(iter(x.sharding.device_set)))  # gather: one copy
             else:  # spread over processes: every process gets the whole array
-                return torch.from_numpy(
-                    np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                )
+                return _from_numpy(multihost_utils.process_allgather(x, tiled=True))
         return torch.from_dlpack(x)
-    return torch.from_numpy(np.asarray(x))
+    return _from_numpy(x)
+
+
+def _from_numpy(x: Any) -> torch.Tensor:
+    arr = np.asarray(x)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
 _JAX_DTYPES = {torch.bfloat16: jnp.bfloat16, torch.float8_e4m3fn: jnp.float8_e4m3fn}

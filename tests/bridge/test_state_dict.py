@@ -1,6 +1,10 @@
 """Flax (linen, nnx) <-> torch state_dict conversion: parity, round trips, strict errors."""
 
 import functools
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -519,3 +523,65 @@ def test_check_parity_reports_a_wrong_weight():
         report.raise_for_mismatch()
     with pytest.raises(bridge.ParityError, match="shape"):
         bridge.check_parity(lambda v, x: apply(v, x)[:, :5], variables, module, case.inputs())
+
+
+_TWO_PROCESS_CHILD = """
+import sys
+
+import jax
+import numpy as np
+
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1]))
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+import bridge
+
+mesh = jax.make_mesh((4,), ("x",), devices=jax.devices())
+full = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+kernel = jax.make_array_from_callback(full.shape, NamedSharding(mesh, PartitionSpec("x")),
+                                      lambda i: full[i])
+bias = jax.make_array_from_callback((6,), NamedSharding(mesh, PartitionSpec()), lambda i: full[0])
+params = {"fc": {"kernel": kernel, "bias": bias}}
+assert not kernel.is_fully_addressable
+sd = bridge.export_state_dict(params)
+assert torch.equal(sd["fc.weight"], torch.from_numpy(full.T.copy())), "gathered kernel"
+assert torch.equal(sd["fc.bias"], torch.from_numpy(full[0].copy())), "replicated bias"
+back = bridge.import_state_dict(sd, params)["fc"]["kernel"]
+assert back.sharding == kernel.sharding
+assert all(np.array_equal(np.asarray(s.data), full[s.index]) for s in back.addressable_shards)
+print("GATHER-OK", flush=True)
+"""
+
+
+def test_params_spread_over_two_processes_are_gathered(tmp_path: Path):
+    script = tmp_path / "child.py"
+    script.write_text(_TWO_PROCESS_CHILD)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONWARNINGS": "error::UserWarning:bridge",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "GATHER-OK" in out, out[-3000:]
