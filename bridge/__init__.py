@@ -5,6 +5,7 @@ from bridge._dlpack import to_torch
 from bridge._errors import (
     BridgeError,
     ParityError,
+    PrefetchError,
     SafetensorsError,
     StateDictError,
     TransferError,
@@ -32,6 +33,7 @@ __all__ = [
     "BridgeError",
     "ParityError",
     "ParityReport",
+    "PrefetchError",
     "Prefetcher",
     "SafetensorsError",
     "StateDictError",
