@@ -297,7 +297,7 @@ def test_prefetch_stops_its_thread_when_closed_early():
     next(it)
     it.close()
     assert not it._thread.is_alive()
-    with pytest.raises(bridge.BridgeError, match="size"):
+    with pytest.raises(bridge.PrefetchError, match="size"):
         bridge.prefetch([], size=0)
 
 
