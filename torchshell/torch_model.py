@@ -119,7 +119,8 @@ def _where(err: BaseException, names: Mapping[int, str]) -> tuple[str, str]:
     path, site = "", ""
     tb: types.TracebackType | None = err.__traceback__
     while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
+        code = tb.tb_frame.f_code  # a method's first argument, whatever its name
+        owner = tb.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if owner is not None and id(owner) in names:
             path = names[id(owner)] or "<root>"
             path = f"{path} ({type(owner).__name__})"
@@ -221,8 +222,10 @@ def torch_model_fns(
                     module, {**c, **s, **p}, tuple(a), tie_weights=True, strict=False
                 )
             except Exception as err:  # named below; anything else propagates unchanged
-                if type(err).__name__ == "OperatorNotFound" or isinstance(
-                    err, (*_DATA_DEPENDENT, AssertionError)
+                if (
+                    type(err).__name__ == "OperatorNotFound"
+                    or isinstance(err, _DATA_DEPENDENT)
+                    or (isinstance(err, AssertionError) and "mixed math" in str(err))
                 ):
                     raise _lowering_error(err, names, train) from err
                 raise

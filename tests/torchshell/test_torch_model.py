@@ -293,6 +293,20 @@ def test_data_dependent_control_flow_is_reported_with_the_module():
         )
 
 
+def test_plain_tensor_attribute_is_reported_with_the_fix():
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.mask = torch.ones(4)  # a plain attribute, not a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.mask
+
+    with pytest.raises(TorchModelError, match=r"<root> \(Masked\).*register_buffer"):
+        torch_model_fns(Masked(), example={"x": torch.ones(2, 4)})
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TorchModelError, match=r"expects a torch\.nn\.Module"):
         torch_model_fns(MLP)  # the class, not an instance
