@@ -4,7 +4,7 @@ Every step factory returns a :class:`Step`: the jitted function plus a trace cou
 traces a jitted function once per new input signature (shapes, dtypes, shardings), and each
 trace is one XLA compilation, so ``Step.recompiles`` is the number of compilations after the
 first. :meth:`Step.compile` runs one AOT ``lower().compile()`` up front; the later calls reuse
-that executable (no second compile) and its ``cost_analysis()`` gives FLOPs and bytes.
+that executable (no second compile) and ``cost_analysis()`` gives FLOPs and bytes per step.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class CompileStats:
     Attributes:
         lower_seconds: tracing and lowering to StableHLO.
         compile_seconds: XLA compilation (near zero on a persistent-cache hit).
-        flops_per_step: XLA's cost-analysis FLOPs of one step (the per-device program's,
-            divided by ``steps_per_call``); ``None`` when the backend gives none.
-        bytes_per_step: bytes accessed per step, likewise.
+        flops_per_step: XLA's cost-analysis FLOPs of one optimizer step, all devices
+            together; ``None`` when the backend gives none.
+        bytes_per_step: bytes accessed by one step, likewise.
         steps_per_call: optimizer steps in one call.
         recompiles: compilations after the first, so far.
     """
@@ -112,6 +112,12 @@ def _cost(compiled: Any) -> dict[str, float]:
 class Step:
     """A jitted step: call it like the function; it counts its compilations.
 
+    XLA's cost analysis counts a loop body once, so a step that scans (``steps_per_call``,
+    gradient accumulation) passes ``cost_fn``: the same computation for one optimizer step
+    without loops, and ``cost_args`` mapping the call's arguments to that function's. Its
+    lowered (unpartitioned) module is analysed: the FLOPs and bytes of one whole step, over all
+    devices together.
+
     Attributes:
         name: used for dump file names.
         steps_per_call: optimizer steps per call (for per-step statistics).
@@ -130,12 +136,16 @@ class Step:
         *,
         name: str = "step",
         steps_per_call: int = 1,
+        cost_fn: Callable[..., Any] | None = None,
+        cost_args: Callable[..., tuple[Any, ...]] | None = None,
         **jit_kwargs: Any,
     ) -> None:
         self.name = name
         self.steps_per_call = steps_per_call
         self.stats: CompileStats | None = None
         self._traces = 0
+        self._cost_fn = cost_fn
+        self._cost_args = cost_args
 
         def traced(*args: Any) -> Any:
             self._traces += 1  # runs once per trace, i.e. once per compilation
@@ -179,15 +189,19 @@ class Step:
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
-        cost = _cost(compiled)
-        k = self.steps_per_call
+        if self._cost_fn is None:
+            cost = _cost(lowered)
+        else:
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            ref_args = self._cost_args(*abstract) if self._cost_args else abstract
+            cost = _cost(jax.jit(self._cost_fn).trace(*ref_args).lower())
         flops, nbytes = cost.get("flops"), cost.get("bytes accessed")
         self.stats = CompileStats(
             lower_seconds=t1 - t0,
             compile_seconds=t2 - t1,
-            flops_per_step=None if flops is None or not math.isfinite(flops) else flops / k,
-            bytes_per_step=None if nbytes is None or not math.isfinite(nbytes) else nbytes / k,
-            steps_per_call=k,
+            flops_per_step=None if flops is None or not math.isfinite(flops) else flops,
+            bytes_per_step=None if nbytes is None or not math.isfinite(nbytes) else nbytes,
+            steps_per_call=self.steps_per_call,
             recompiles=self.recompiles,
         )
         if dump_dir is not None:

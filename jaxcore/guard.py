@@ -43,7 +43,7 @@ def check_policy(nan_policy: str) -> str:
 def finite_ok(loss: jax.Array, grads: PyTree, state: Any, nan_policy: str) -> jax.Array:
     """The on-device flag "apply this update": loss and gradient norm finite (and, under
     ``stop``, no earlier refused step)."""
-    ok = jnp.isfinite(loss) & jnp.isfinite(optax.global_norm(grads))
+    ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
     if nan_policy == "stop":
         ok = ok & (state.nonfinite == 0)
     return ok

@@ -219,8 +219,8 @@ def _resolve(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh)
         entries = [None] * len(shape)
         if pick is not None:
             entries[pick] = axis
-        while entries and entries[-1] is None:
-            entries.pop()
+    while entries and entries[-1] is None:  # P("data", None) is P("data")
+        entries.pop()
     for dim, entry in enumerate(entries):
         axes = _axes_of(entry)
         unknown = [a for a in axes if a not in mesh.shape]

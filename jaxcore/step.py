@@ -77,6 +77,10 @@ def _sums(
     return jnp.sum(losses.astype(jnp.float32) * mask), (new_state, sums, jnp.sum(mask))
 
 
+def _drop_leading(v: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+
+
 def _micro_batches(batch: Batch, m: int) -> Batch:
     """``[B, ...] -> [m, B/m, ...]``; micro-batch ``i`` takes rows ``i, i+m, ...`` so each
     device's rows stay on that device."""
@@ -154,6 +158,12 @@ def make_train_step(
     value_and_grad = jax.value_and_grad(sums_fn, has_aux=True)
 
     def one_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return _step(state, batch, m)
+
+    def flat_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return _step(state, batch, 1)  # the loop-free step whose cost is analysed
+
+    def _step(state: TrainState, batch: Batch, m: int) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.rng, state.step)
         if m == 1:
             (loss_sum, (model_state, sums, count)), grads = value_and_grad(
@@ -225,6 +235,8 @@ def make_train_step(
         one_step if k == 1 else multi_step,
         name="train_step",
         steps_per_call=k,
+        cost_fn=flat_step,
+        cost_args=lambda st, b: (st, b if k == 1 else jax.tree.map(_drop_leading, b)),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=(0,) if donate else (),

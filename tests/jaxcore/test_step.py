@@ -1,0 +1,138 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcore
+from tests.jaxcore.models import mlp_case, put, setup
+
+
+def _mesh():
+    return jaxcore.make_mesh({"data": 8})
+
+
+@pytest.fixture(scope="module")
+def init16():
+    """One initial MLP state for 16-row batches (each test places a copy: no init compile)."""
+    model, batch = mlp_case(rows=16)
+    return setup(model, batch, _mesh())[0]
+
+
+def _close(a, b, rtol=1e-5, atol=1e-7):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def test_accumulation_over_4_micro_batches_equals_one_full_step(init16):
+    model, batch = mlp_case(rows=32)
+    batch["mask"] = np.arange(32) < 27  # ragged: the micro-batches hold unequal valid rows
+    mesh = _mesh()
+    init, full, sharding = setup(model, batch, mesh, state=init16)
+    s1, m1 = full(init, put(batch, sharding))
+    init2, accum, _ = setup(model, batch, mesh, accum_steps=4, state=init16)
+    s2, m2 = accum(init2, put(batch, sharding))
+    np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m2["accuracy"]), float(m1["accuracy"]), rtol=1e-5)
+    _close(s2.params, s1.params)
+    _close(s2.opt_state, s1.opt_state)
+    with pytest.raises(jaxcore.BatchError, match="accum_steps=5"):
+        _, bad, _ = setup(model, batch, mesh, state=s2, accum_steps=5)
+        bad(s2, put(batch, sharding))
+
+
+def test_steps_per_call_equals_k_single_steps(init16):
+    k = 3
+    model, batch = mlp_case(rows=16)
+    rng = np.random.default_rng(3)
+    stacked = {
+        "x": rng.normal(size=(k, 16, 64)).astype(np.float32),
+        "y": rng.integers(0, 10, (k, 16)).astype(np.int32),
+    }
+    mesh = _mesh()
+    state, single, sharding = setup(model, batch, mesh, state=init16)
+    losses = []
+    for i in range(k):
+        state, metrics = single(state, put({n: v[i] for n, v in stacked.items()}, sharding))
+        losses.append(float(metrics["loss"]))
+    state_k, multi, sharding_k = setup(model, stacked, mesh, steps_per_call=k, state=init16)
+    assert sharding_k.spec == jax.sharding.PartitionSpec(None, "data")
+    state_k, metrics_k = multi(state_k, put(stacked, sharding_k))
+    assert metrics_k["loss"].shape == (k,)
+    np.testing.assert_allclose(np.asarray(metrics_k["loss"]), losses, rtol=1e-6)
+    assert int(state_k.step) == int(state.step) == k
+    _close(state_k.params, state.params, rtol=1e-6)
+    with pytest.raises(jaxcore.BatchError, match=r"steps_per_call=3 needs"):
+        multi(state_k, put({n: v[:2] for n, v in stacked.items()}, sharding_k))
+
+
+def _nan_run(policy, init):
+    """Three steps in one call; the middle batch holds a NaN."""
+    model, batch = mlp_case(rows=16)
+    stacked = {n: np.stack([v, v, v]) for n, v in batch.items()}
+    stacked["x"][1, 3, 5] = np.nan
+    state, step, sharding = setup(
+        model, stacked, _mesh(), steps_per_call=3, nan_policy=policy, state=init
+    )
+    state, metrics = step(state, put(stacked, sharding))
+    return state, jax.device_get(metrics)
+
+
+def _good_steps(n, init):
+    """The params after ``n`` clean steps on the same batch."""
+    model, batch = mlp_case(rows=16)
+    state, step, sharding = setup(model, batch, _mesh(), state=init)
+    for _ in range(n):
+        state, _ = step(state, put(batch, sharding))
+    return jax.device_get(state.params)
+
+
+def test_nan_guard_skip_does_not_apply_the_bad_update(init16):
+    state, metrics = _nan_run("skip", init16)
+    np.testing.assert_array_equal(metrics["nonfinite"], [0.0, 1.0, 0.0])
+    assert np.isnan(metrics["loss"][1]) and np.isfinite(metrics["loss"][[0, 2]]).all()
+    assert int(state.nonfinite) == 1 and int(state.nonfinite_step) == 1
+    assert int(state.step) == 3
+    params = jax.device_get(state.params)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    _close(params, _good_steps(2, init16), rtol=1e-6)  # the two good updates, no more
+    with pytest.raises(jaxcore.NonFiniteError, match="step 1") as err:
+        jaxcore.check_finite(state)
+    assert err.value.step == 1
+
+
+def test_nan_guard_stop_keeps_the_last_good_state(init16):
+    state, metrics = _nan_run("stop", init16)
+    np.testing.assert_array_equal(metrics["nonfinite"], [0.0, 1.0, 1.0])  # halted after it
+    assert int(state.nonfinite_step) == 1
+    _close(jax.device_get(state.params), _good_steps(1, init16), rtol=1e-6)
+    with pytest.raises(jaxcore.NonFiniteError, match="step 1"):
+        jaxcore.check_finite(state)
+
+
+def test_nan_policy_none_lets_nan_in_and_bad_policy_is_clear(init16):
+    state, metrics = _nan_run("none", init16)
+    assert "nonfinite" not in metrics
+    assert np.isnan(np.asarray(state.params["head"]["kernel"])).any()
+    jaxcore.check_finite(state)  # no guard, nothing counted
+    model, _ = mlp_case()
+    tx = jaxcore.make_optimizer()
+    with pytest.raises(jaxcore.ConfigError, match="nan_policy"):
+        jaxcore.make_train_step(model, jaxcore.softmax_cross_entropy, tx, nan_policy="ignore")
+    with pytest.raises(jaxcore.ConfigError, match="steps_per_call"):
+        jaxcore.make_train_step(model, jaxcore.softmax_cross_entropy, tx, steps_per_call=0)
+    with pytest.raises(jaxcore.ConfigError, match="compute dtype"):
+        jaxcore.make_train_step(model, jaxcore.softmax_cross_entropy, tx, compute_dtype="fp8")
+
+
+def test_bf16_compute_keeps_fp32_params_and_close_loss(init16, tmp_path):
+    model, batch = mlp_case(rows=16)
+    state, step, sharding = setup(model, batch, _mesh(), state=init16)
+    _, m32 = step(state, put(batch, sharding))
+    state, step16, sharding = setup(model, batch, _mesh(), state=init16, compute_dtype="bf16")
+    stats = step16.compile(state, put(batch, sharding), dump_dir=tmp_path)
+    state, m16 = step16(state, put(batch, sharding))
+    assert step16.compiles == 1  # the call reused the AOT executable
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+    np.testing.assert_allclose(float(m16["loss"]), float(m32["loss"]), rtol=2e-2)
+    assert "bf16" in (tmp_path / "train_step.hlo.txt").read_text()
+    assert "bf16" not in str(jax.make_jaxpr(lambda x: x)(1.0))  # the check can fail
+    assert stats.flops_per_step and stats.flops_per_step > 0
