@@ -1,0 +1,69 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcore
+
+
+def test_recompiles_are_counted_per_new_shape():
+    step = jaxcore.Step(lambda x: jnp.tanh(x).sum(), name="tanh")
+    step(jnp.ones((4, 3)))
+    step(jnp.ones((4, 3)) * 2)  # same signature: no compile
+    assert (step.compiles, step.recompiles) == (1, 0)
+    step(jnp.ones((5, 3)))  # a ragged batch: one more compile
+    assert (step.compiles, step.recompiles) == (2, 1)
+
+
+def test_aot_compile_gives_flops_and_dumps(tmp_path):
+    step = jaxcore.Step(lambda a, b: a @ b, name="matmul")
+    a, b = jnp.ones((32, 16)), jnp.ones((16, 8))
+    stats = step.compile(a, b, dump_dir=tmp_path)
+    assert stats.flops_per_step == pytest.approx(2 * 32 * 16 * 8, rel=0.05)
+    assert stats.bytes_per_step and stats.bytes_per_step >= 4 * (32 * 16 + 16 * 8 + 32 * 8)
+    assert stats.compile_seconds > 0 and stats.recompiles == 0
+    np.testing.assert_allclose(step(a, b), a @ b)
+    assert step.compiles == 1  # the call used the AOT executable
+    assert "dot_general" in (tmp_path / "matmul.jaxpr.txt").read_text()
+    assert "stablehlo.dot_general" in (tmp_path / "matmul.stablehlo.mlir").read_text()
+    assert "HloModule" in (tmp_path / "matmul.hlo.txt").read_text()
+    assert set(stats.as_dict()) >= {"compile_seconds", "flops_per_step", "recompiles"}
+
+
+def test_flops_per_step_do_not_depend_on_steps_per_call():
+    def one(w, x):
+        return w @ x
+
+    def scanned(w, xs):  # XLA's cost analysis counts this loop body once
+        return jax.lax.scan(lambda c, x: (c, one(w, x)), 0, xs)[1]
+
+    w, xs = jnp.ones((16, 16)), jnp.ones((4, 16, 16))
+    flat = jaxcore.Step(one).compile(w, xs[0]).flops_per_step
+    step = jaxcore.Step(
+        scanned,
+        steps_per_call=4,
+        cost_fn=one,
+        cost_args=lambda w, xs: (w, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)),
+    )
+    assert step.compile(w, xs).flops_per_step == flat
+
+
+def test_persistent_cache_writes_entries(tmp_path):
+    try:
+        path = jaxcore.enable_compile_cache(tmp_path / "cache")
+        jax.jit(lambda x: jnp.sin(x) * 3.25 + 0.125)(jnp.ones(7)).block_until_ready()
+        assert any(path.iterdir())  # the executable was written to disk
+    finally:
+        jaxcore.disable_compile_cache()
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_debug_nans_switch():
+    f = jax.jit(lambda x: jnp.log(x) * 0)
+    assert np.isnan(f(jnp.array(-1.0)))
+    try:
+        jaxcore.set_debug_nans(True)
+        with pytest.raises(FloatingPointError):
+            f(jnp.array(-1.0))
+    finally:
+        jaxcore.set_debug_nans(False)
