@@ -12,7 +12,12 @@ from jax.sharding import Mesh
 from jaxcore._errors import MeshError
 
 
-def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    axes: Mapping[str, int],
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    num_devices: int | None = None,
+) -> Mesh:
     """Builds a ``Mesh`` over ``devices`` with the named axis sizes.
 
     Devices are sorted by ``(process_index, id)`` so every process sees the same order.
@@ -21,6 +26,8 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     Args:
         axes: ordered mapping of axis name to size, e.g. ``{"data": -1, "model": 1}``.
         devices: devices to use; all of ``jax.devices()`` by default.
+        num_devices: use only the first ``num_devices`` of them (in the stable order), e.g.
+            1 for a single-device run on a bigger machine; ``None`` uses them all.
 
     Returns:
         A ``jax.sharding.Mesh`` whose shape is ``axes`` with ``-1`` resolved.
@@ -37,6 +44,14 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     devs = sorted(
         jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id)
     )
+    if num_devices is not None:
+        if not isinstance(num_devices, int) or not 1 <= num_devices <= len(devs):
+            raise MeshError(
+                f"num_devices must be between 1 and the {len(devs)} available devices, got "
+                f"{num_devices!r}. Fix: set mesh.num_devices to at most {len(devs)}, or null "
+                "for all of them."
+            )
+        devs = devs[:num_devices]
     if not axes:
         raise MeshError("make_mesh needs at least one axis, got {}; e.g. {'data': -1}.")
     sizes = dict(axes)

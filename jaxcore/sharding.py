@@ -183,7 +183,7 @@ def parse_rules(rules: Sequence[Sequence[Any]]) -> list[Rule]:
         for e in list(rule[1] or []):
             if isinstance(e, str) and e.startswith("largest"):
                 entries.append(Largest(e.partition(":")[2] or "data"))
-            elif isinstance(e, list | tuple):
+            elif isinstance(e, Sequence) and not isinstance(e, str):
                 entries.append(tuple(e))
             else:
                 entries.append(e)

@@ -27,9 +27,25 @@ class OptimConfig:
 
 @dataclass
 class MeshConfig:
-    """Mesh axes (``-1`` fills with the remaining devices)."""
+    """Mesh axes (``-1`` fills with the remaining devices) and how params are sharded.
+
+    ``preset`` is one of ``jaxcore.PRESETS`` (dp, fsdp, tp, fsdp_tp); ``rules`` are tried
+    first, as ``[[regex, [axis_or_null, ...]], ...]`` over '/'-joined param paths.
+    """
 
     axes: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
+    preset: str = "dp"
+    rules: list[Any] = field(default_factory=list)
+    data_axis: str = "data"
+    model_axis: str = "model"
+    num_devices: int | None = None
+
+
+@dataclass
+class PrecisionConfig:
+    """Compute dtype of the step (params, grads, optimizer state and loss stay float32)."""
+
+    compute_dtype: str = "float32"
 
 
 @dataclass
@@ -86,6 +102,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)

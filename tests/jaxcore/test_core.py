@@ -74,3 +74,10 @@ def test_missing_batch_key_is_named():
     model = jaxcore.linen_model(MLP(features=(8,)), inputs=("features",))
     with pytest.raises(jaxcore.BatchError, match="missing \\['features'\\]"):
         model.init(jax.random.key(0), {"x": jnp.ones((2, 64))})
+
+
+def test_make_mesh_num_devices_takes_the_first():
+    mesh = jaxcore.make_mesh({"data": 1}, num_devices=1)
+    assert mesh.devices.flat[0] == sorted(jax.devices(), key=lambda d: d.id)[0]
+    with pytest.raises(jaxcore.MeshError, match="num_devices"):
+        jaxcore.make_mesh({"data": 1}, num_devices=9)

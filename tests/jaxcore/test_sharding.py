@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,3 +172,22 @@ def test_rules_from_yaml_data_and_order():
     assert specs["head"]["kernel"] == P()  # the user's rule wins over the preset
     assert specs["layers_0"]["kernel"] == P("model")  # largest dim divisible by 2
     assert specs["other"]["kernel"] == P(None, "data")  # fsdp: 6 % 4 != 0, 4 % 4 == 0
+
+
+@pytest.mark.parametrize("name", ["single", "dp", "fsdp", "tp"])
+def test_conf_mesh_groups_build(name):
+    import yaml  # the Hydra group files are plain YAML data for these functions
+
+    root = Path(__file__).resolve().parents[2] / "conf"
+    cfg = yaml.safe_load((root / "mesh" / f"{name}.yaml").read_text())
+    mesh = jaxcore.make_mesh(cfg["axes"], num_devices=cfg.get("num_devices"))
+    assert mesh.size == (1 if name == "single" else 8)
+    model, batch = mlp_case()
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), batch)[0])
+    fn = jaxcore.state_sharding_fn(mesh, cfg["preset"], cfg.get("rules"))
+    shardings = fn({"layers_0": abstract["layers_0"]})
+    expected = {"single": P(), "dp": P(), "fsdp": P("data"), "tp": P(None, "model")}[name]
+    assert shardings["layers_0"]["kernel"].spec == expected
+    for precision in ("fp32", "bf16"):
+        dtype = yaml.safe_load((root / "precision" / f"{precision}.yaml").read_text())
+        assert jaxcore.resolve_dtype(dtype["compute_dtype"]) is not None
