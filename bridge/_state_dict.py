@@ -362,13 +362,13 @@ def _plan(
             entries.append(_counter(prefix))
     builtin = [(re.compile(p), r, t) for p, r, t in BUILTIN_RULES]
     for path in sorted(free):
-        rx, rename, transform = next(
-            ((rx, r, t) for rx, r, t in builtin if rx.search(path)), (None, "", None)
-        )
-        key = _torch_name(rx.sub(rename, path)) if rx is not None else _torch_name(path)
-        t = _as_transform(transform)
+        key, t = _torch_name(path), IDENTITY  # no rule: the name alone
+        for rx, rename, transform in builtin:
+            if rx.search(path):
+                key, t = _torch_name(rx.sub(rename, path)), _as_transform(transform)
+                break
         if t is AUTO_KERNEL:
-            owner = (modules or {}).get(key.rpartition(".")[0]) if modules is not None else None
+            owner = modules.get(key.rpartition(".")[0]) if modules is not None else None
             t = _kernel_layout(path, len(leaves[path].shape), owner)
         entries.append(_one(path, key, t))
     seen: dict[str, tuple[str, ...]] = {}

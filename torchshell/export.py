@@ -127,14 +127,14 @@ def resolve_source(source: str, tracking_uri: str, workdir: Path) -> tuple[Path,
             "pass a run directory, or a run id with the right --tracking-uri."
         ) from e
     try:
-        config = client.download_artifacts(source, "config.yaml", str(workdir))
-        weights = client.download_artifacts(source, "export/model.safetensors", str(workdir))
+        config_file = client.download_artifacts(source, "config.yaml", str(workdir))
+        weights_file = client.download_artifacts(source, "export/model.safetensors", str(workdir))
     except (MlflowException, OSError) as e:
         raise ConfigError(
             f"Run {source} in {tracking_uri} lacks config.yaml or export/model.safetensors "
             f"among its artifacts ({e}). Fix: export a run that finished `coreshell train`."
         ) from e
-    return Path(config), Path(weights)
+    return Path(config_file), Path(weights_file)
 
 
 def load_twin(config: Path, weights: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
