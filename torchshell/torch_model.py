@@ -215,6 +215,16 @@ def torch_model_fns(
         params: PyTree, model_state: PyTree, batch: Batch, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
         args = _inputs(batch, keys)
+        with contextlib.ExitStack() as stack:
+            # Lightning evaluates under torch.inference_mode, which skips the decompositions
+            # torchax relies on (aten::dropout has no lowering): trace the same way always.
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.no_grad())
+            return _traced(params, model_state, args, rng, train)
+
+    def _traced(
+        params: PyTree, model_state: PyTree, args: list[Any], rng: jax.Array, train: bool
+    ) -> tuple[PyTree, PyTree]:
         p, s, c, a = env.j2t_iso((dict(params), dict(model_state), consts, args))
         with _mode(module, train), env, env.override_property(prng=rng), torch.device("jax"):
             try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import lightning as L
 import numpy as np
 import optax
 import pytest
@@ -17,7 +18,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import jaxcore
+from torchshell import JaxModule
 from torchshell._errors import TorchModelError
+from torchshell.data.digits import DigitsDataModule
 from torchshell.torch_model import params_to_state_dict, torch_model_fns
 from torchshell.twins.digits import MLP
 
@@ -327,3 +330,36 @@ def test_config_form_builds_the_module_and_its_model_fns():
     fns = torch_model_fns(module, inputs=tuple(cfg.inputs))
     params, _ = fns.init(jax.random.key(0), {"x": jnp.ones((2, 64))})
     assert params["layers.0.weight"].shape == (256, 64)  # nn.Linear layout: (out, in)
+
+
+def test_torch_module_trains_under_lightning_and_exports_into_itself():
+    torch.manual_seed(5)
+    net = MLP(64, features=(64,), num_classes=10)
+    module = JaxModule(
+        torch_model_fns(net),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer("adam", lr=1e-2),
+        mesh=jaxcore.make_mesh({"data": -1}),
+    )
+    trainer = L.Trainer(
+        max_steps=100,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    dm = DigitsDataModule(batch_size=64)
+    trainer.fit(module, dm)
+    assert trainer.global_step == 100
+    assert trainer.validate(module, dm, verbose=False)[0]["val/accuracy"] > 0.9
+    jax_logits = torch.cat(trainer.predict(module, dm.test_dataloader()))
+
+    net.load_state_dict(
+        params_to_state_dict(module.state.params, module.state.model_state, net), strict=True
+    )
+    net.eval()
+    with torch.no_grad():
+        torch_logits = torch.cat([net(b["x"]) for b in dm.test_dataloader()])
+    np.testing.assert_allclose(jax_logits.numpy(), torch_logits.numpy(), rtol=1e-4, atol=1e-5)
