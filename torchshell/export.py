@@ -207,15 +207,20 @@ def write_onnx(twin: torch.nn.Module, out: Path, *, batch: int = 2) -> float | N
     args = _example_args(twin, batch)
     dim = torch.export.Dim("batch")
     big = sum(p.numel() * p.element_size() for p in twin.state_dict().values()) > 1 << 30
-    torch.onnx.export(
-        twin,
-        args,
-        str(out),
-        dynamo=True,
-        dynamic_shapes=tuple({0: dim} for _ in args),
-        external_data=big,  # weights beside the graph only past 1 GiB
-        verbose=False,
-    )
+    try:
+        torch.onnx.export(
+            twin,
+            args,
+            str(out),
+            dynamo=True,
+            dynamic_shapes=tuple({0: dim} for _ in args),
+            external_data=big,  # weights beside the graph only past 1 GiB
+            verbose=False,
+        )
+    except ImportError as e:  # onnx / onnxscript are the optional `onnx` extra
+        raise ConfigError(
+            f"ONNX export needs onnx and onnxscript ({e}). Fix: pip install 'coreshell[onnx]'."
+        ) from e
     try:
         import onnxruntime as ort
     except ImportError:
