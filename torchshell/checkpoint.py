@@ -63,8 +63,10 @@ def restore_state(directory: Path, template: Any) -> Any:
                 "with, or start a new run (resume=null)."
             ) from err
     return jax.tree.map(
-        lambda t, r: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t)
-        else r, template, raw)
+        lambda t, r: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
+        template,
+        raw,
+    )
 
 
 def _digest(path: Path) -> str:
@@ -107,10 +109,16 @@ def latest_checkpoint(directory: str | Path, *, log: Callable[[str], None] = pri
     root = Path(directory)
     if not root.is_dir():
         return None
-    candidates = [p for p in root.iterdir() if p.is_dir() and _STEP.search(p.name)
-                  and not p.name.startswith(".")]
-    for path in sorted(candidates, key=lambda p: int(_STEP.search(p.name).group(1)),  # type: ignore[union-attr]
-                       reverse=True):
+    candidates = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and _STEP.search(p.name) and not p.name.startswith(".")
+    ]
+    for path in sorted(
+        candidates,
+        key=lambda p: int(_STEP.search(p.name).group(1)),  # type: ignore[union-attr]
+        reverse=True,
+    ):
         problem = verify(path)
         if problem is None:
             return path
@@ -128,14 +136,19 @@ class OrbaxCheckpointIO(CheckpointIO):
             (e.g. the exported torch weights and the config).
     """
 
-    def __init__(self, get_state: Callable[[], Any], set_restore: Callable[[Path], None],
-                 on_save: Callable[[Path], None] | None = None) -> None:
+    def __init__(
+        self,
+        get_state: Callable[[], Any],
+        set_restore: Callable[[Path], None],
+        on_save: Callable[[Path], None] | None = None,
+    ) -> None:
         self.get_state = get_state
         self.set_restore = set_restore
         self.on_save = on_save
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         final = Path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -158,8 +171,9 @@ class OrbaxCheckpointIO(CheckpointIO):
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         directory = Path(path)
         problem = verify(directory)
         if problem is not None:

@@ -106,8 +106,10 @@ def _resume_path(cfg: DictConfig) -> str | None:
     if cfg.resume == "last":
         found = latest_checkpoint(cfg.ckpt.dir)
         if found is None:
-            print(f"coreshell: resume=last but no intact checkpoint in {cfg.ckpt.dir}: "
-                  "starting a new run.")
+            print(
+                f"coreshell: resume=last but no intact checkpoint in {cfg.ckpt.dir}: "
+                "starting a new run."
+            )
         return None if found is None else str(found)
     problem = verify(Path(cfg.resume))
     if problem is not None:
@@ -132,28 +134,46 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data, module, twin = build(cfg)
     ckpt_path = _resume_path(cfg)
-    logger = MLFlowLogger(experiment_name=cfg.tracking.experiment,
-                          tracking_uri=cfg.tracking.uri, run_name=cfg.tracking.run_name)
+    logger = MLFlowLogger(
+        experiment_name=cfg.tracking.experiment,
+        tracking_uri=cfg.tracking.uri,
+        run_name=cfg.tracking.run_name,
+    )
     logger.log_hyperparams(_flatten(cfg))
     checkpointing = cfg.ckpt.every_n_steps > 0
     sigterm = CheckpointOnSigterm(cfg.ckpt.dir)
     callbacks: list[L.Callback] = [sigterm]
     if checkpointing:
-        callbacks.append(ModelCheckpoint(dirpath=cfg.ckpt.dir, monitor="step", mode="max",
-                                         save_top_k=cfg.ckpt.keep,
-                                         every_n_train_steps=cfg.ckpt.every_n_steps))
-    ckpt_io = OrbaxCheckpointIO(lambda: module.state, module.restore_from,
-                                _export_hook(cfg, module, twin))
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                        plugins=[ckpt_io], enable_checkpointing=checkpointing,
-                        default_root_dir=str(out_dir),
-                        **{**OmegaConf.to_container(cfg.trainer), "enable_model_summary": False})
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=cfg.ckpt.dir,
+                monitor="step",
+                mode="max",
+                save_top_k=cfg.ckpt.keep,
+                every_n_train_steps=cfg.ckpt.every_n_steps,
+            )
+        )
+    ckpt_io = OrbaxCheckpointIO(
+        lambda: module.state, module.restore_from, _export_hook(cfg, module, twin)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=callbacks,
+        plugins=[ckpt_io],
+        enable_checkpointing=checkpointing,
+        default_root_dir=str(out_dir),
+        **{**OmegaConf.to_container(cfg.trainer), "enable_model_summary": False},
+    )
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException:
         logger.finalize("KILLED")
-        print(f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
-              f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}")
+        print(
+            f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
+            f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}"
+        )
         raise SystemExit(0) from None
     metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
     if cfg.test_after_fit:
@@ -161,9 +181,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         metrics.update({k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()})
 
     if module.state is None:
-        raise RuntimeError("Training ran no step, so there is nothing to export. Fix: check "
-                           "trainer.max_steps/limit_train_batches and that the data set is "
-                           "not empty.")
+        raise RuntimeError(
+            "Training ran no step, so there is nothing to export. Fix: check "
+            "trainer.max_steps/limit_train_batches and that the data set is "
+            "not empty."
+        )
     export_path = export_twin(module.state.params, twin, out_dir / "export" / "model.safetensors")
     batch = next(iter(data.test_dataloader()))
     jax_logits = module.predict_step(batch, 0)
@@ -185,8 +207,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     print(f"  torch twin weights: {export_path} (parity max abs diff {parity:.2e})")
     if cfg.tracking.uri.startswith("sqlite:"):
         print(f"  open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
-    return {"run_id": run_id, "tracking_uri": cfg.tracking.uri, "export": str(export_path),
-            "parity_max_abs_diff": parity, "metrics": metrics}
+    return {
+        "run_id": run_id,
+        "tracking_uri": cfg.tracking.uri,
+        "export": str(export_path),
+        "parity_max_abs_diff": parity,
+        "metrics": metrics,
+    }
 
 
 def _train_main(argv: Sequence[str]) -> None:

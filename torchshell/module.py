@@ -198,8 +198,7 @@ class JaxModule(L.LightningModule):
         np_state = np.random.get_state()
         checkpoint["coreshell_rng"] = {
             "torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
-                      *np_state[2:]],
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
             "python": random.getstate(),
         }
 

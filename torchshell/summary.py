@@ -32,8 +32,9 @@ def param_summary(params: Any) -> str:
     total = sum(r[0] for r in rows.values())
     nbytes = sum(r[1] for r in rows.values())
     lines = [f"{'module':<24}{'params':>12}{'bytes':>12}  sharding", "-" * 64]
-    lines += [f"{k:<24}{r[0]:>12,}{_bytes(r[1]):>12}  {', '.join(sorted(r[2]))}"
-              for k, r in rows.items()]
+    lines += [
+        f"{k:<24}{r[0]:>12,}{_bytes(r[1]):>12}  {', '.join(sorted(r[2]))}" for k, r in rows.items()
+    ]
     lines += ["-" * 64, f"{'total':<24}{total:>12,}{_bytes(nbytes):>12}"]
     return "\n".join(lines)
 

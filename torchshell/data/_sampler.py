@@ -52,14 +52,20 @@ class EpochBatchSampler(BatchSampler):
         self._skip = state["drawn"]
 
 
-def epoch_batches(dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True,
-                  drop_last: bool = True) -> EpochBatchSampler:
+def epoch_batches(
+    dataset: Dataset, *, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True
+) -> EpochBatchSampler:
     """An :class:`EpochBatchSampler` over this JAX process's shard of ``dataset``.
 
     Each process (``jax.process_index()`` of ``jax.process_count()``) reads its own shard;
     the permutation is the same on every process for an epoch.
     """
-    sampler = DistributedSampler(dataset, num_replicas=jax.process_count(),
-                                 rank=jax.process_index(), shuffle=shuffle, seed=seed,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=jax.process_count(),
+        rank=jax.process_index(),
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=True,
+    )
     return EpochBatchSampler(sampler, batch_size, drop_last)

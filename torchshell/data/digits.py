@@ -50,9 +50,16 @@ class DigitsDataModule(L.LightningDataModule):
         torch.Size([32, 64])
     """
 
-    def __init__(self, batch_size: int = 64, eval_batch_size: int = 256, num_workers: int = 0,
-                 val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 64,
+        eval_batch_size: int = 256,
+        num_workers: int = 0,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        split_seed: int = 0,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
@@ -61,8 +68,11 @@ class DigitsDataModule(L.LightningDataModule):
         n = len(load_digits().target)
         order = np.random.default_rng(split_seed).permutation(n)
         n_val, n_test = int(n * val_fraction), int(n * test_fraction)
-        self.splits = {"val": order[:n_val], "test": order[n_val:n_val + n_test],
-                       "train": order[n_val + n_test:]}
+        self.splits = {
+            "val": order[:n_val],
+            "test": order[n_val : n_val + n_test],
+            "train": order[n_val + n_test :],
+        }
 
     def setup(self, stage: str | None = None) -> None:
         self.datasets = {name: DigitsDataset(rows) for name, rows in self.splits.items()}

@@ -1,0 +1,184 @@
+"""Checkpoints under the real CLI: SIGKILL+resume bit-exact, SIGTERM saves, damage skipped."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from safetensors.torch import load_file
+
+from torchshell.checkpoint import latest_checkpoint, verify
+
+STEPS = 120
+COMMON = [
+    f"trainer.max_steps={STEPS}",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=10",
+    "trainer.check_val_every_n_epoch=100",
+    "ckpt.every_n_steps=20",
+    "ckpt.keep=3",
+    "test_after_fit=false",
+    "model.flax.features=[64]",
+]
+
+
+def _cmd(tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "train",
+        *COMMON,
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+        f"tracking.experiment={name}",
+        f"hydra.run.dir={tmp}/{name}",
+        *extra,
+    ]
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        cmd,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _losses(tmp: Path, experiment: str) -> dict[int, float]:
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    history: dict[int, float] = {}
+    for run in client.search_runs([exp.experiment_id]):
+        for m in client.get_metric_history(run.info.run_id, "train/loss"):
+            history[m.step] = m.value
+    return history
+
+
+def _start_and_wait_for_checkpoint(
+    cmd: list[str], cwd: Path, ckpt_dir: Path, extra_wait: float
+) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    deadline = time.monotonic() + 300
+    while latest_checkpoint(ckpt_dir, log=lambda _: None) is None:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    time.sleep(extra_wait)
+    return proc
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
+    _run(_cmd(tmp_path, "full", f"ckpt.dir={tmp_path}/ck_full"), tmp_path)
+    ckpt = tmp_path / "ck_kill"
+    proc = _start_and_wait_for_checkpoint(
+        _cmd(tmp_path, "killed", f"ckpt.dir={ckpt}"), tmp_path, ckpt, random.uniform(0.0, 1.0)
+    )
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    resumed_from = latest_checkpoint(ckpt)
+    assert resumed_from is not None
+    _run(_cmd(tmp_path, "resumed", f"ckpt.dir={ckpt}", "resume=last"), tmp_path)
+
+    full = load_file(tmp_path / "full" / "export" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
+    assert full.keys() == resumed.keys()
+    for key in full:
+        assert (full[key] == resumed[key]).all(), key
+    # The loss history after the checkpoint is the uninterrupted run's, exactly.
+    full_losses, resumed_losses = _losses(tmp_path, "full"), _losses(tmp_path, "resumed")
+    assert resumed_losses and all(full_losses[s] == v for s, v in resumed_losses.items())
+    # Every checkpoint carries the torch export and the config, so it loads without JAX.
+    for path in ckpt.iterdir():
+        if path.name.endswith(".ckpt"):
+            assert (path / "export" / "model.safetensors").is_file()
+            assert (path / "config.yaml").is_file()
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path):
+    ckpt = tmp_path / "ck"
+    proc = _start_and_wait_for_checkpoint(
+        _cmd(tmp_path, "term", f"ckpt.dir={ckpt}"), tmp_path, ckpt, 0.2
+    )
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received; saved checkpoint" in out
+    saved = latest_checkpoint(ckpt)
+    assert saved is not None and verify(saved) is None
+
+
+def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path):
+    _run(_cmd(tmp_path, "damage", f"ckpt.dir={tmp_path}/ck", "trainer.max_steps=60"), tmp_path)
+    newest = latest_checkpoint(tmp_path / "ck")
+    assert newest is not None and newest.name.endswith("step=60.ckpt")
+    (newest / "lightning.pt").write_bytes(b"torn")
+    (tmp_path / "ck" / ".tmp-epoch=9-step=999.ckpt-abc").mkdir()  # an interrupted write
+    messages: list[str] = []
+    fallback = latest_checkpoint(tmp_path / "ck", log=messages.append)
+    assert fallback is not None and fallback.name.endswith("step=40.ckpt")
+    assert "checksum mismatch" in messages[0] and "step=60" in messages[0]
+    proc = subprocess.run(
+        _cmd(tmp_path, "damage2", f"ckpt.dir={tmp_path}/ck", f"resume='{newest}'"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "not an intact checkpoint" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override,needle", [("trainer.max_steps=abc", "max_steps"), ("optim.lrr=1", "lrr")]
+)
+def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, needle: str):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchshell.cli", "train", override],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and needle in proc.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_multirun_gives_one_mlflow_run_per_job(tmp_path: Path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "train",
+        "-m",
+        "optim.lr=1e-3,3e-3",
+        "trainer.max_steps=20",
+        "trainer.enable_progress_bar=false",
+        "test_after_fit=false",
+        "ckpt.every_n_steps=0",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        "tracking.experiment=sweep",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+    ]
+    _run(cmd, tmp_path)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    assert sorted(r.data.params["optim.lr"] for r in runs) == ["0.001", "0.003"]
