@@ -167,7 +167,7 @@ def parse_rules(rules: Sequence[Sequence[Any]]) -> list[Rule]:
 
     Example:
         >>> parse_rules([["head/kernel", [None, "model"]]])
-        [('head/kernel', PartitionSpec(None, 'model'))]
+        [('head/kernel', P(None, 'model'))]
     """
     out: list[Rule] = []
     for rule in rules:
@@ -370,7 +370,7 @@ def batch_sharding(
     Example:
         >>> import jaxcore
         >>> batch_sharding(jaxcore.make_mesh({"data": -1}), steps_per_call=4).spec
-        PartitionSpec(None, 'data')
+        P(None, 'data')
     """
     spec = PartitionSpec(data_axis) if steps_per_call == 1 else PartitionSpec(None, data_axis)
     return NamedSharding(mesh, spec)

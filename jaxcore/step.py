@@ -14,6 +14,7 @@ per seed and step, and the same on any mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -203,8 +204,12 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         new = (params, opt_state, model_state)
         if policy == "none":
-            return state.replace(
-                step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+            return dataclasses.replace(
+                state,
+                step=state.step + 1,
+                params=params,
+                opt_state=opt_state,
+                model_state=model_state,
             ), metrics
         ok = finite_ok(loss, grads, state, policy)
         params, opt_state, model_state = guarded(
@@ -212,7 +217,8 @@ def make_train_step(
         )
         bad = (~ok).astype(jnp.int32)
         first = jnp.where((state.nonfinite_step < 0) & ~ok, state.step, state.nonfinite_step)
-        new_state = state.replace(
+        new_state = dataclasses.replace(
+            state,
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
