@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler
 
 
@@ -60,6 +59,8 @@ def epoch_batches(
     Each process (``jax.process_index()`` of ``jax.process_count()``) reads its own shard;
     the permutation is the same on every process for an epoch.
     """
+    import jax  # here, not at import: spawned DataLoader workers import this module
+
     sampler = DistributedSampler(
         dataset,
         num_replicas=jax.process_count(),
