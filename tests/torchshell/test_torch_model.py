@@ -98,13 +98,22 @@ def _train_both(
     tx: optax.GradientTransformation,
     torch_opt: Callable[[nn.Module], torch.optim.Optimizer],
     steps: int,
+    axes: dict[str, int] | None = None,
+    rules: list[list[object]] | None = None,
 ) -> tuple[jaxcore.TrainState, nn.Module, list[float], list[float]]:
     """Trains ``net`` N steps through jaxcore (8-way data mesh) and in plain PyTorch."""
     fns = torch_model_fns(net)  # copies the weights: the torch run below starts equal
-    mesh = jaxcore.make_mesh({"data": -1})
+    mesh = jaxcore.make_mesh(axes or {"data": -1})
     sharding = NamedSharding(mesh, PartitionSpec("data"))
     batches = _batches(steps)
-    state = jaxcore.init_train_state(fns, tx, _to_device(batches[0], sharding), seed=0, mesh=mesh)
+    state = jaxcore.init_train_state(
+        fns,
+        tx,
+        _to_device(batches[0], sharding),
+        seed=0,
+        mesh=mesh,
+        param_shardings=jaxcore.state_sharding_fn(mesh, "fsdp", rules) if rules else None,
+    )
     step = jaxcore.make_train_step(
         fns, jaxcore.softmax_cross_entropy, tx, state_sharding=jaxcore.state_shardings(state)
     )
@@ -148,6 +157,31 @@ def test_mlp_sgd_steps_match_pytorch():
     _assert_same(state, net)
     assert set(state.params) == {n for n, _ in net.named_parameters()}
     assert state.model_state == {}
+
+
+def test_mlp_with_fsdp_and_tp_rules_on_torch_names_matches_pytorch():
+    # nn.Linear weights are (out, in): column-parallel splits dim 0, row-parallel dim 1
+    rules = [
+        [r"(^|/)layers\.0\.weight$", ["model", None]],
+        [r"(^|/)layers\.0\.bias$", ["model"]],
+        [r"(^|/)layers\.1\.weight$", [None, "model"]],
+        [r"(^|/)layers\.1\.bias$", []],
+    ]
+    torch.manual_seed(6)
+    state, net, jl, tl = _train_both(
+        MLP(64, features=(32, 32), num_classes=10),
+        optax.adam(1e-2),
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+        steps=3,
+        axes={"data": 4, "model": 2},
+        rules=rules,
+    )
+    shard = {k: v.sharding.shard_shape(v.shape) for k, v in state.params.items()}
+    assert shard["layers.0.weight"] == (16, 64)  # (32, 64) split on out over model=2
+    assert shard["layers.1.weight"] == (32, 16)  # (32, 32) split on in over model=2
+    assert shard["head.weight"] == (10, 8)  # fsdp: largest dim over data=4
+    np.testing.assert_allclose(jl, tl, rtol=1e-4)
+    _assert_same(state, net)
 
 
 def test_cnn_batchnorm_adam_steps_match_pytorch_running_stats_included():
