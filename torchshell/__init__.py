@@ -11,6 +11,12 @@ from typing import Any
 
 _EXPORTS = {
     "JaxModule": "torchshell.module",
+    "AsyncMLflowLogger": "torchshell.tracking",
+    "SystemMetrics": "torchshell.tracking",
+    "TrackingReport": "torchshell.tracking",
+    "log_confusion_matrix": "torchshell.tracking",
+    "log_torch_model": "torchshell.tracking",
+    "run_tags": "torchshell.tracking",
     "params_to_state_dict": "torchshell.torch_model",
     "torch_model_fns": "torchshell.torch_model",
 }
