@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import jaxcore
 from jaxcore import losses
-from torchshell._errors import CheckpointError
+from torchshell._errors import CheckpointError, ConfigError
 from torchshell.checkpoint import (
     CheckpointOnSigterm,
     OrbaxCheckpointIO,
@@ -27,7 +27,7 @@ from torchshell.checkpoint import (
     verify,
 )
 from torchshell.config import register_configs
-from torchshell.export import export_command, export_twin, max_abs_diff
+from torchshell.export import export_command, export_module, max_abs_diff
 from torchshell.module import JaxModule
 
 USAGE = """usage: coreshell train [OVERRIDES...]
@@ -74,27 +74,50 @@ def _loss(name: str) -> Any:
 
 
 def build(cfg: DictConfig) -> tuple[L.LightningDataModule, JaxModule, torch.nn.Module]:
-    """The data module, the :class:`JaxModule` and the torch twin a config describes."""
-    data = instantiate(cfg.data, seed=cfg.seed)
-    flax_model = instantiate(cfg.model.flax, _convert_="all")
-    twin = instantiate(cfg.model.twin, _convert_="all")
-    module = JaxModule(
-        flax_model,
-        _loss(cfg.model.loss),
-        jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim)),
-        mesh=jaxcore.make_mesh(dict(cfg.mesh.axes)),
+    """The data module, the :class:`JaxModule` and the torch model to export into.
+
+    With ``steps_per_call=K`` the training DataLoader carries ``K * data.batch_size`` rows
+    per batch (``JaxModule`` views them as K stacked batches).
+    """
+    k = cfg.step.steps_per_call
+    data = instantiate(cfg.data, seed=cfg.seed, batch_size=cfg.data.batch_size * k)
+    mesh = jaxcore.make_mesh(dict(cfg.mesh.axes), num_devices=cfg.mesh.num_devices)
+    options = dict(
+        mesh=mesh,
         inputs=list(cfg.model.inputs),
         seed=cfg.seed,
+        sharding=cfg.mesh.preset,
+        rules=OmegaConf.to_container(cfg.mesh.rules),
+        data_axis=cfg.mesh.data_axis,
+        model_axis=cfg.mesh.model_axis,
+        steps_per_call=k,
+        accum_steps=cfg.step.accum_steps,
+        compute_dtype=cfg.precision.compute_dtype,
+        nan_policy=cfg.step.nan_policy,
         print_summary=cfg.trainer.enable_model_summary,
     )
-    return data, module, twin
+    loss = _loss(cfg.model.loss)
+    tx = jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim))
+    if cfg.model.torch is not None:
+        torch.manual_seed(cfg.seed)  # the module's initial weights come from torch's RNG
+        net = instantiate(cfg.model.torch, _convert_="all")
+        return data, JaxModule.from_torch(net, loss, tx, **options), net
+    if cfg.model.flax is None or cfg.model.twin is None:
+        raise ConfigError(
+            "model needs either `torch` (an nn.Module to trace) or both `flax` and `twin`; "
+            f"got flax={cfg.model.flax}, twin={cfg.model.twin}. Fix: pick a model config "
+            "(model=digits, model=torch_mlp, ...) or set those keys."
+        )
+    flax_model = instantiate(cfg.model.flax, _convert_="all")
+    twin = instantiate(cfg.model.twin, _convert_="all")
+    return data, JaxModule(flax_model, loss, tx, **options), twin
 
 
 def _export_hook(cfg: DictConfig, module: JaxModule, twin: torch.nn.Module) -> Any:
-    """Writes the torch twin's weights and the config beside a checkpoint."""
+    """Writes the torch weights and the config beside a checkpoint."""
 
     def on_save(directory: Path) -> None:
-        export_twin(module.state.params, twin, directory / "export" / "model.safetensors")
+        export_module(module, twin, directory / "export" / "model.safetensors")
         OmegaConf.save(cfg, directory / "config.yaml")
 
     return on_save
@@ -132,7 +155,24 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.step.compile_cache_dir:
+        jaxcore.enable_compile_cache(cfg.step.compile_cache_dir)
+    k = cfg.step.steps_per_call
+    for name in ("max_steps", "log_every_n_steps"):
+        value = cfg.trainer[name]
+        if k > 1 and value > 0 and value % k:
+            raise ConfigError(
+                f"trainer.{name}={value} is not a multiple of "
+                f"step.steps_per_call={k}. Fix: make it a multiple of {k}."
+            )
+    if k > 1 and cfg.ckpt.every_n_steps % k:
+        raise ConfigError(
+            f"ckpt.every_n_steps={cfg.ckpt.every_n_steps} is not a multiple of "
+            f"step.steps_per_call={k}. Fix: make it a multiple of {k}."
+        )
     data, module, twin = build(cfg)
+    if cfg.step.dump_hlo:
+        module.hlo_dump_dir = out_dir / "hlo"
     ckpt_path = _resume_path(cfg)
     logger = MLFlowLogger(
         experiment_name=cfg.tracking.experiment,
@@ -175,6 +215,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}"
         )
         raise SystemExit(0) from None
+    except jaxcore.NonFiniteError as err:
+        logger.finalize("FAILED")
+        print(
+            f"coreshell: stopped: {err}\nThe newest checkpoint in {cfg.ckpt.dir} holds the "
+            "last good state.",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
     metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
     if cfg.test_after_fit:
         trainer.test(module, datamodule=data, verbose=False)
@@ -186,7 +234,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "trainer.max_steps/limit_train_batches and that the data set is "
             "not empty."
         )
-    export_path = export_twin(module.state.params, twin, out_dir / "export" / "model.safetensors")
+    export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
     batch = next(iter(data.test_dataloader()))
     jax_logits = module.predict_step(batch, 0)
     with torch.no_grad():

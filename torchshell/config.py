@@ -49,6 +49,17 @@ class PrecisionConfig:
 
 
 @dataclass
+class StepConfig:
+    """How the jitted train step runs (arguments of ``JaxModule``)."""
+
+    steps_per_call: int = 1
+    accum_steps: int = 1
+    nan_policy: str = "stop"
+    compile_cache_dir: str | None = None
+    dump_hlo: bool = True
+
+
+@dataclass
 class TrainerConfig:
     """Arguments of ``lightning.Trainer``, with Lightning's own names."""
 
@@ -86,10 +97,16 @@ class CkptConfig:
 
 @dataclass
 class ModelConfig:
-    """The Flax model, its torch twin (export target), the batch keys it reads, the loss."""
+    """The model: a Flax module with its torch twin (export target), or a torch module.
 
-    flax: Any = MISSING
-    twin: Any = MISSING
+    With ``torch`` set (an ``nn.Module`` to instantiate), the module is traced by torchax and
+    trained as it is; ``flax`` and ``twin`` stay null. ``inputs`` are the batch keys the model
+    reads; ``loss`` a function of :mod:`jaxcore.losses`.
+    """
+
+    flax: Any = None
+    twin: Any = None
+    torch: Any = None
     inputs: list[str] = field(default_factory=lambda: ["x"])
     loss: str = "softmax_cross_entropy"
 
@@ -103,6 +120,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    step: StepConfig = field(default_factory=StepConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)

@@ -68,6 +68,28 @@ def export_twin(
     return bridge.save_safetensors(state_dict, path, sources=sources)
 
 
+def export_module(module: Any, twin: torch.nn.Module, path: str | Path) -> Path:
+    """Writes a trained :class:`~torchshell.JaxModule`'s weights as ``twin``'s safetensors.
+
+    A Flax model goes through :func:`export_twin` with its whole variables dict (so
+    ``batch_stats`` become running statistics); a torch module trained through torchax
+    (:meth:`JaxModule.from_torch`) already holds ``state_dict`` names: export is the identity.
+    Either way ``twin`` ends up holding the trained weights, in eval mode.
+    """
+    if module.state is None:
+        raise ConfigError(
+            "Nothing to export: the module has no trained state. Fix: train "
+            "(trainer.fit) first, and check the data set is not empty."
+        )
+    if module.torch_module is None:
+        variables = {"params": module.state.params, **module.state.model_state}
+        return export_twin(variables, twin, path)
+    state_dict = module.torch_state_dict()
+    twin.load_state_dict(state_dict, strict=True)
+    twin.eval()
+    return bridge.save_safetensors(state_dict, path)
+
+
 def max_abs_diff(jax_outputs: Any, torch_outputs: torch.Tensor) -> float:
     """Largest absolute difference between JAX and torch outputs of the same inputs."""
     return float(np.max(np.abs(np.asarray(jax_outputs) - torch_outputs.detach().numpy())))

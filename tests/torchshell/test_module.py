@@ -1,4 +1,6 @@
+import jax
 import lightning as L
+import numpy as np
 
 import jaxcore
 from jaxcore.models.digits import MLP
@@ -30,3 +32,38 @@ def test_jax_module_trains_digits_under_real_trainer():
     assert metrics["val/accuracy"] > 0.9
     preds = trainer.predict(module, dm)
     assert sum(p.shape[0] for p in preds) == len(dm.splits["test"])
+
+
+def _fit(steps_per_call: int, steps: int) -> JaxModule:
+    module = JaxModule(
+        MLP(features=(32,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        steps_per_call=steps_per_call,
+        print_summary=False,
+    )
+    trainer = L.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        log_every_n_steps=4,
+    )
+    trainer.fit(module, DigitsDataModule(batch_size=64 * steps_per_call))
+    assert trainer.global_step == steps
+    return module
+
+
+def test_steps_per_call_equals_single_steps():
+    # 16 steps fit in the first epoch either way, so both see the same batches in order.
+    one, four = _fit(1, 16), _fit(4, 16)
+    assert int(four.state.step) == 16
+    assert four._train_step.compiles == 1
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        one.state.params,
+        four.state.params,
+    )
