@@ -27,6 +27,7 @@ from torchshell.checkpoint import (
     verify,
 )
 from torchshell.config import register_configs
+from torchshell.doctor import doctor_command
 from torchshell.export import export_command, export_module, max_abs_diff
 from torchshell.module import JaxModule
 
@@ -283,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _train_main(rest)
     elif command == "export":
         export_command(rest)
+    elif command == "doctor":
+        raise SystemExit(doctor_command(rest))
     else:
         print(f"coreshell: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
