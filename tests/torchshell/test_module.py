@@ -67,3 +67,28 @@ def test_steps_per_call_equals_single_steps():
         one.state.params,
         four.state.params,
     )
+
+
+def test_early_stopping_on_a_validation_metric():
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    module = JaxModule(
+        MLP(features=(64,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        print_summary=False,
+    )
+    stop = EarlyStopping(monitor="val/accuracy", mode="max", stopping_threshold=0.9)
+    trainer = L.Trainer(
+        max_steps=2000,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[stop],
+        accelerator="cpu",
+        devices=1,
+    )
+    trainer.fit(module, DigitsDataModule(batch_size=64))
+    assert trainer.global_step < 2000 and stop.stopped_epoch > 0
+    assert trainer.callback_metrics["val/accuracy"] >= 0.9
