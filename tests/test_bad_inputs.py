@@ -1,0 +1,320 @@
+"""Bad inputs, one test per row of docs/reliability.md that no other test file covers.
+
+Each test feeds one bad input through the real path and asserts the error type and that the
+message names what was expected, what came in, and the fix. Rows whose clear error is still
+missing are ``xfail(strict=True)``: they start passing (and must lose the mark) when the owner
+of the named file adds the check.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import jaxcore
+import torchshell.checkpoint as ckpt
+from jaxcore.models.digits import MLP
+from torchshell import JaxModule
+from torchshell._errors import CheckpointError, ShellError
+from torchshell.checkpoint import OrbaxCheckpointIO, restore_state, save_state, verify
+from torchshell.data.digits import DigitsDataModule
+from torchshell.data.spoken_digits import SpokenDigitsDataError, SpokenDigitsDataset
+
+ROWS = 16
+
+
+def _batch(rows: int = ROWS, features: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.rand(rows, features, generator=g),
+        "y": torch.randint(0, 10, (rows,), generator=g, dtype=torch.int32),
+    }
+
+
+def _state(features: tuple[int, ...] = (16,)) -> jaxcore.TrainState:
+    return jaxcore.init_train_state(
+        jaxcore.linen_model(MLP(features=features)),
+        jaxcore.make_optimizer(),
+        {k: jnp.asarray(v.numpy()) for k, v in _batch().items()},
+        seed=0,
+        mesh=jaxcore.make_mesh({"data": -1}),
+    )
+
+
+def _step(batch: dict[str, Any], nan_policy: str = "none") -> Any:
+    """One real jitted train step on ``batch`` (numpy or jax arrays), MLP on 8 devices."""
+    model = jaxcore.linen_model(MLP(features=(16,)))
+    tx = jaxcore.make_optimizer()
+    state = _state()
+    step = jaxcore.make_train_step(
+        model,
+        jaxcore.softmax_cross_entropy,
+        tx,
+        state_sharding=jaxcore.state_shardings(state),
+        nan_policy=nan_policy,
+    )
+    return step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+
+
+class _Batches(Dataset[dict[str, torch.Tensor]]):
+    """A loader source that yields ready-made batches, bad ones included."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.batches[i]
+
+
+def _fit(batches: list[dict[str, torch.Tensor]], **module_kwargs: Any) -> JaxModule:
+    module = JaxModule(
+        MLP(features=(16,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        print_summary=False,
+        **module_kwargs,
+    )
+    trainer = L.Trainer(
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(_Batches(batches), batch_size=None))
+    return module
+
+
+# -- batches --------------------------------------------------------------------------------
+def test_wrong_input_key_is_named_with_the_fix():
+    batch = _batch()
+    with pytest.raises(jaxcore.BatchError) as err:
+        _fit([{"image": batch["x"], "y": batch["y"]}])
+    msg = str(err.value)
+    assert "reads batch keys ['x']" in msg  # expected
+    assert "the batch has ['image', 'mask', 'y']" in msg and "missing ['x']" in msg  # got
+    assert "Fix: name the fields" in msg
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxcore/losses.py: softmax_cross_entropy indexes batch['y'] and passes labels to "
+    "optax unchecked (KeyError 'y' / TypeError / ValueError without the field)",
+)
+@pytest.mark.parametrize(
+    ("labels", "got"),
+    [
+        ({"label": np.zeros(ROWS, np.int32)}, "['label', 'x']"),
+        ({"y": np.zeros(ROWS, np.float32)}, "float32"),
+        ({"y": np.zeros((ROWS, 1), np.int32)}, f"({ROWS}, 1)"),
+    ],
+    ids=["missing-label-key", "float-labels", "labels-with-extra-dim"],
+)
+def test_bad_labels_name_the_field_expected_and_got(labels: dict[str, Any], got: str):
+    batch = {"x": _batch()["x"].numpy(), **labels}
+    with pytest.raises(jaxcore.BatchError) as err:
+        _step(batch)
+    msg = str(err.value)
+    assert "'y'" in msg and "integer" in msg and got in msg and "Fix:" in msg
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torchshell/module.py: a batch whose per-row shape differs from the one the state "
+    "was built from fails inside Flax (ScopeParamShapeError on a param) without the field",
+)
+def test_field_shape_change_after_the_first_step_is_named():
+    first, second = _batch(), _batch(features=32, seed=1)
+    with pytest.raises(jaxcore.BatchError) as err:
+        _fit([first, second])
+    msg = str(err.value)
+    assert "'x'" in msg and "64" in msg and "32" in msg and "Fix:" in msg
+
+
+def test_labels_out_of_range_stop_at_the_first_step_under_nan_policy_stop():
+    # Label 12 with 10 classes makes the cross entropy NaN: the guard refuses the step.
+    batch = {"x": _batch()["x"].numpy(), "y": np.full(ROWS, 12, np.int32)}
+    state, metrics = _step(batch, nan_policy="stop")
+    assert float(metrics["nonfinite"]) == 1.0
+    with pytest.raises(jaxcore.NonFiniteError) as err:
+        jaxcore.check_finite(state)
+    assert err.value.step == 0
+    msg = str(err.value)
+    assert "NaN/Inf at step 0" in msg and "check the data for NaN/Inf" in msg and "Fix:" in msg
+
+
+def test_inf_in_a_batch_is_refused_and_counted_under_skip():
+    batch = {k: v.numpy() for k, v in _batch().items()}
+    batch["x"][3, 5] = np.inf
+    state, metrics = _step(batch, nan_policy="skip")
+    assert float(metrics["nonfinite"]) == 1.0 and int(state.nonfinite) == 1
+    assert int(state.step) == 1  # the step counter moves on, the params do not
+    before = jax.device_get(_state().params)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), before)
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_under_the_real_trainer(policy: str):
+    batches = [_batch(seed=i) for i in range(4)]
+    batches[2]["x"][0, 0] = float("nan")
+    if policy == "stop":
+        with pytest.raises(jaxcore.NonFiniteError) as err:
+            _fit(batches, nan_policy="stop")
+        assert err.value.step == 2 and "at step 2" in str(err.value)
+        assert "Fix:" in str(err.value)
+        return
+    module = _fit(batches, nan_policy="skip")
+    assert int(module.state.nonfinite) == 1 and int(module.state.nonfinite_step) == 2
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(module.state.params)))
+
+
+# -- data sets ------------------------------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="torchshell/data/digits.py: split fractions that leave no training rows are "
+    "accepted; fit then runs no step",
+)
+def test_empty_training_split_is_refused_at_setup():
+    dm = DigitsDataModule(val_fraction=0.5, test_fraction=0.5)
+    with pytest.raises(ShellError) as err:
+        dm.setup("fit")
+    msg = str(err.value)
+    assert "val_fraction" in msg and "0 " in msg and "Fix:" in msg
+
+
+def _clip_folder(tmp: Path, wav: bytes | None) -> Path:
+    (tmp / "manifest.json").write_text(
+        json.dumps({"clips": [{"split": "test", "path": "seven.wav", "label": 7}]})
+    )
+    if wav is not None:
+        (tmp / "seven.wav").write_bytes(wav)
+    return tmp
+
+
+def test_spoken_digits_folder_without_manifest_is_named(tmp_path: Path):
+    with pytest.raises(SpokenDigitsDataError) as err:
+        SpokenDigitsDataset(tmp_path, "test")
+    msg = str(err.value)
+    assert f"No manifest.json in {tmp_path}" in msg  # got
+    assert "expected a folder made by ensure_spoken_digits" in msg
+    assert "Fix: call ensure_spoken_digits(root)" in msg
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torchshell/data/spoken_digits.py: SpokenDigitsDataset._load lets soundfile's "
+    "LibsndfileError through (path only: no clip, no fix)",
+)
+@pytest.mark.parametrize(
+    "wav", [b"RIFF\x10\x00\x00\x00WAVEgarbage", None], ids=["corrupt-wav", "missing-wav"]
+)
+def test_unreadable_clip_is_named_with_the_fix(tmp_path: Path, wav: bytes | None):
+    folder = _clip_folder(tmp_path, wav)
+    with pytest.raises(SpokenDigitsDataError) as err:
+        SpokenDigitsDataset(folder, "test")[0]
+    msg = str(err.value)
+    assert "seven.wav" in msg and "WAV" in msg and "ensure_spoken_digits" in msg
+    assert "Fix:" in msg
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def test_checkpoint_of_another_width_names_both_shapes(tmp_path: Path):
+    save_state(tmp_path / "state", _state((16,)))
+    with pytest.raises(CheckpointError) as err:
+        restore_state(tmp_path / "state", _state((32,)))
+    msg = str(err.value)
+    assert "does not match this model's state" in msg
+    assert "(32, 10)" in msg and "(16, 10)" in msg  # requested and stored
+    assert "Fix: resume with the model and optimizer config" in msg
+
+
+def test_checkpoint_of_another_depth_is_refused_naming_the_layer(tmp_path: Path):
+    save_state(tmp_path / "state", _state((16,)))
+    with pytest.raises(CheckpointError) as err:
+        restore_state(tmp_path / "state", _state((16, 16)))
+    msg = str(err.value)
+    assert "layers_1" in msg and "MISSING" in msg and "Fix:" in msg
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torchshell/checkpoint.py: restore_state forwards Orbax's tree diff (model side "
+    "called 'Source', shardings repeated, advice to pass partial_restore=True) instead of "
+    "a key diff",
+)
+def test_checkpoint_of_another_model_gives_a_clear_key_diff(tmp_path: Path):
+    save_state(tmp_path / "state", _state((16,)))
+    with pytest.raises(CheckpointError) as err:
+        restore_state(tmp_path / "state", _state((16, 16)))
+    msg = str(err.value)
+    assert "params/layers_1/kernel" in msg and "not in the checkpoint" in msg
+    assert "partial_restore" not in msg and "NamedSharding" not in msg
+
+
+def _enospc(*args: Any, **kwargs: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _write_export(directory: Path) -> None:
+    (directory / "export").mkdir()
+    _enospc()
+
+
+@pytest.mark.parametrize("where", ["lightning.pt", "export hook", "same name"])
+def test_disk_full_while_checkpointing_keeps_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+):
+    state = _state()
+    root = tmp_path / "ck"
+    previous = root / "epoch=0-step=10.ckpt"
+    OrbaxCheckpointIO(lambda: state, lambda _: None).save_checkpoint({"step": 10}, previous)
+    assert verify(previous) is None
+    hook = None
+    if where == "export hook":
+        hook = _write_export
+    else:
+        monkeypatch.setattr(ckpt.torch, "save", _enospc)
+    io = OrbaxCheckpointIO(lambda: state, lambda _: None, hook)
+    target = previous if where == "same name" else root / "epoch=0-step=20.ckpt"
+    with pytest.raises(OSError) as err:
+        io.save_checkpoint({"step": 20}, target)
+    assert err.value.errno == errno.ENOSPC
+    assert [p.name for p in root.iterdir()] == [previous.name]  # no partial directory
+    assert verify(previous) is None  # the previous checkpoint is intact
+    assert torch.load(previous / "lightning.pt", weights_only=True) == {"step": 10}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torchshell/checkpoint.py: OrbaxCheckpointIO.save_checkpoint lets a bare OSError "
+    "through, so the user is not told that the previous checkpoint is intact or what to do",
+)
+def test_disk_full_while_checkpointing_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    state = _state()
+    previous = tmp_path / "epoch=0-step=10.ckpt"
+    OrbaxCheckpointIO(lambda: state, lambda _: None).save_checkpoint({"step": 10}, previous)
+    monkeypatch.setattr(ckpt.torch, "save", _enospc)
+    with pytest.raises(CheckpointError) as err:
+        OrbaxCheckpointIO(lambda: state, lambda _: None).save_checkpoint(
+            {"step": 20}, tmp_path / "epoch=0-step=20.ckpt"
+        )
+    msg = str(err.value)
+    assert "step=20" in msg and "No space left" in msg and "Fix:" in msg
