@@ -112,7 +112,7 @@ def fmt_value(value: float) -> str:
 
 def fmt_cell(r: Row) -> str:
     """``median [min-max]``, or just the value when there was one sample."""
-    if r["n"] <= 1 or r["min"] == r["max"]:
+    if r["n"] == 1 or r["min"] == r["max"]:
         return fmt_value(r["median"])
     return f"{fmt_value(r['median'])} [{fmt_value(r['min'])}-{fmt_value(r['max'])}]"
 
