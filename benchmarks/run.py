@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,12 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help=f"comma list of: {', '.join(b.name for b in BENCHES)}"
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="scripts run at once (1 for figures worth reading; more only for smoke runs)",
+    )
     args = parser.parse_args()
     only = {s for s in args.only.split(",") if s}
     unknown = only - {b.name for b in BENCHES}
@@ -256,15 +263,17 @@ def main() -> None:
     start = time.perf_counter()
     rows: list[Row] = []
     records: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for bench in BENCHES:
-            if only and bench.name not in only:
-                continue
-            if not (_HERE / bench.script).exists():
-                records[bench.name] = {"skipped": f"benchmarks/{bench.script} not present"}
-                continue
+    todo = [b for b in BENCHES if not only or b.name in only]
+    for bench in todo:
+        if not (_HERE / bench.script).exists():
+            records[bench.name] = {"skipped": f"benchmarks/{bench.script} not present"}
+    todo = [b for b in todo if b.name not in records]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        for bench in todo:
             print(f"running {bench.script} ...", file=sys.stderr, flush=True)
-            got, records[bench.name] = run_one(bench, args.tiny, Path(tmp))
+        results = pool.map(lambda b: run_one(b, args.tiny, Path(tmp)), todo)
+        for bench, (got, record) in zip(todo, results, strict=True):
+            records[bench.name] = record
             rows += got
     after = _stats.load_average()
     meta = {

@@ -1,0 +1,94 @@
+"""Smoke run of ``make bench``: every benchmark script in tiny mode, one JSON with its rows.
+
+Figures from a tiny run mean nothing (and nothing here is timed): the test checks that every
+benchmark runs end to end through ``benchmarks/run.py`` and reports the rows the docs rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("digits MLP", "spoken-digits encoder")
+PEERS = ("(b) pure JAX", "(c) Keras 3 (JAX)", "(d) PyTorch Lightning", "(e) hand-written hybrid")
+SPLIT = ("data wait", "bridge", "compute", "loop overhead", "total")
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
+        cwd=tmp_path,  # anything a benchmark might drop lands here, not in the repo
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    tmp = tmp_path_factory.mktemp("bench")
+    proc = _run(tmp, "--tiny", "--jobs", "3", "--out", str(tmp / "out" / "results.json"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in tmp.iterdir()) == ["out"]  # nothing else left behind
+    return json.loads((tmp / "out" / "results.json").read_text()), proc.stdout
+
+
+def _cases(data: dict[str, Any], bench: str) -> dict[str, dict[str, Any]]:
+    return {r["case"]: r for r in data["rows"] if r["benchmark"] == bench}
+
+
+def test_one_table_with_the_load_average(tiny: tuple[dict[str, Any], str]) -> None:
+    data, stdout = tiny
+    assert stdout.count("| benchmark | case | metric |") == 1
+    assert "load average" in stdout
+    assert len(data["machine"]["load_average"]) == 3
+    assert len(stdout.splitlines()) > len(data["rows"])  # every row is in the table
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_peer_rows(tiny: tuple[dict[str, Any], str], recipe: str) -> None:
+    cases = _cases(tiny[0], f"peers/{recipe}")
+    shell = [c for c in cases if c.startswith("(a) coreshell, K=")]
+    assert len(shell) == 1
+    for name in [*shell, *PEERS]:
+        r = cases[name]
+        assert r["metric"] == "steps/s" and r["median"] > 0 and math.isfinite(r["median"])
+        assert r["samples_per_s"] == pytest.approx(64 * r["median"])
+    for peer in PEERS:  # (a) over each peer, per round, and as the ratio of the medians
+        assert cases[peer]["ratio"] == pytest.approx(
+            cases[shell[0]]["median"] / cases[peer]["median"]
+        )
+        ratio = cases["a/" + peer[1]]
+        assert ratio["metric"] == "ratio per round" and ratio["median"] > 0
+    split = {part: cases[f"(a) split: {part}"]["median"] for part in SPLIT}
+    assert all(split[p] >= 0 for p in ("data wait", "bridge", "compute"))
+    assert sum(split[p] for p in SPLIT[:4]) == pytest.approx(split["total"], rel=1e-6)
+
+
+def test_other_benchmarks_rows(tiny: tuple[dict[str, Any], str]) -> None:
+    data = tiny[0]
+    bridge = _cases(data, "bridge")
+    assert bridge and all("zero-copy yes" in r["note"] for r in bridge.values())
+    assert set(_cases(data, "compile cache")) == {"no cache", "cold", "warm"}
+    torch_model = _cases(data, "torch nn.Module via torchax")
+    assert torch_model["Flax, jaxcore step"]["ratio"] == pytest.approx(1.0)
+    if (ROOT / "benchmarks" / "tracking.py").exists():
+        assert _cases(data, "tracking")["off"]["ratio"] == pytest.approx(1.0)
+    (export,) = [b for b in {r["benchmark"] for r in data["rows"]} if b.startswith("export/")]
+    rows = _cases(data, export)
+    assert rows["memcpy of the same bytes"]["ratio"] == pytest.approx(1.0)
+    assert rows["export + save (end to end)"]["median"] > 0
+    assert all(rec.get("returncode", 0) == 0 for rec in data["machine"]["runs"].values())
+
+
+def test_unknown_benchmark_is_refused(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "--only", "nonesuch")
+    assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
