@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from torchshell._errors import TrackingError
+from torchshell._tracking_delivery import server_is_up
 
 if TYPE_CHECKING:
     from mlflow.models.model import ModelInfo
@@ -162,7 +163,7 @@ def log_torch_model(
         "pip_requirements": list(pip_requirements or default_pip_requirements()),
     }
     _ = logger.version  # waits a few seconds for the run to exist
-    if logger.run_id is not None:
+    if logger.run_id is not None and server_is_up(logger.tracking_uri):
         try:
             with _use_tracking_uri(logger.tracking_uri), mlflow.start_run(run_id=logger.run_id):
                 return mlflow.pytorch.log_model(

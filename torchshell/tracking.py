@@ -6,6 +6,7 @@
 - :func:`log_confusion_matrix`, :func:`log_torch_model`: the run page's plot and the torch
   twin as a servable MLflow PyTorch model.
 - :class:`SystemMetrics`: CPU/memory/disk/network (and GPU) samples as ``system/*`` metrics.
+- :func:`aggregate_hosts`: per-process figures (data wait per host) as mean/min/max.
 - :func:`replay`: sends an ``undelivered.jsonl`` left by a run whose store was down.
 
 Example:
@@ -32,6 +33,7 @@ from torchshell._tracking_artifacts import (
     log_confusion_matrix,
     log_torch_model,
 )
+from torchshell._tracking_hosts import aggregate_hosts
 from torchshell._tracking_logger import AsyncMLflowLogger, flatten
 from torchshell._tracking_report import TrackingReport
 from torchshell._tracking_system import SystemMetrics
@@ -42,6 +44,7 @@ __all__ = [
     "SystemMetrics",
     "TrackingError",
     "TrackingReport",
+    "aggregate_hosts",
     "confusion_matrix",
     "default_pip_requirements",
     "flatten",

@@ -18,10 +18,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import lightning as L
+import mlflow.pytorch
 import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 import jaxcore
 from jaxcore.models.digits import MLP as FlaxMLP
@@ -31,6 +33,7 @@ from torchshell.data.digits import DigitsDataModule
 from torchshell.export import export_twin
 from torchshell.tracking import (
     AsyncMLflowLogger,
+    SystemMetrics,
     TrackingError,
     log_confusion_matrix,
     log_torch_model,
@@ -67,7 +70,7 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, sig)
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=20)
@@ -198,6 +201,9 @@ def test_lightning_run_through_a_real_server(server: Server, tmp_path: Path) -> 
     data = DigitsDataModule(batch_size=32)
     trainer.fit(module, datamodule=data)
     log_confusion_matrix(logger, [0, 1, 2, 2], [0, 1, 1, 2])
+    system = SystemMetrics(logger, interval_s=3600)
+    assert system.sample() > 0
+    system.stop()
     logger.log_text("HloModule train_step\n", "hlo/train_step.txt")
     # more than one log_batch worth of metrics
     logger.log_metrics({f"bulk/{i}": float(i) for i in range(1500)}, step=0)
@@ -216,12 +222,12 @@ def test_lightning_run_through_a_real_server(server: Server, tmp_path: Path) -> 
     assert tags["versions.jax"] == jax.__version__ and tags["versions.torch"] == version("torch")
     assert tags["mesh.shape"] == str(dict(mesh.shape)) and tags["devices.count"] == "8"
     assert tags["processes.count"] == "1"
-    steps = [s for s, _ in _history(client, report.run_id, "train/loss")]
-    assert sorted(steps) == [2, 5, 8, 11]  # Lightning's logging steps of 2 x 6
-    assert [s for s, _ in _history(client, report.run_id, "val/loss")] == [5, 11], sorted(
-        run.data.metrics
-    )
+    # Lightning's logging steps: every 3rd of 2 x 6, and validation after each epoch
+    steps = sorted(s for s, _ in _history(client, report.run_id, "train/loss"))
+    assert len(steps) == 4 and len(set(steps)) == 4
+    assert len(_history(client, report.run_id, "val/loss")) == 2
     assert len(run.data.metrics) >= 1500
+    assert run.data.metrics["system/cpu_utilization_percentage"] >= 0
     arts = {a.path for a in client.list_artifacts(report.run_id)}
     assert {"config.yaml", "plots", "hlo"} <= arts
     png = Path(client.download_artifacts(report.run_id, "plots/confusion_matrix.png", tmp_path))
@@ -238,8 +244,10 @@ def test_server_killed_mid_run_history_is_complete(server: Server, tmp_path: Pat
         logger.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
     assert logger.flush(60)
     server.kill()
+    outage_twin = TwinMLP(features=(4,)).eval()
     try:
         _log_through_outage(logger, tmp_path, kw)
+        assert log_torch_model(logger, outage_twin, np.ones((2, 64), np.float32)) is None
     finally:
         server.start()  # same port, same backend store
     report = logger.close(timeout_s=120)
@@ -250,6 +258,13 @@ def test_server_killed_mid_run_history_is_complete(server: Server, tmp_path: Pat
     assert steps == tuple(range(230))
     assert values == pytest.approx([1.0 / (s + 1) for s in range(230)])
     assert client.get_run(report.run_id).data.params == {"lr": "0.1"}
+    # the model logged during the outage was kept locally and delivered as artifacts
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(report.run_id, "model")}
+    with _use_tracking_uri(server.uri):
+        loaded = mlflow.pytorch.load_model(f"runs:/{report.run_id}/model")
+    x = np.ones((2, 64), np.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(torch.from_numpy(x)), outage_twin(torch.from_numpy(x)))
 
     replayed = replay(tmp_path / "b" / "undelivered.jsonl")
     assert replayed.complete and replayed.delivered == 200
@@ -286,9 +301,6 @@ def test_twin_as_mlflow_model_loads_and_serves(server: Server, tmp_path: Path) -
     assert report.complete and info is not None
     assert str(info.registered_model_version) == "1"
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"] == (-1, 64)
-
-    import mlflow.pytorch
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     with _use_tracking_uri(server.uri):
         loaded = mlflow.pytorch.load_model(f"runs:/{report.run_id}/model")
