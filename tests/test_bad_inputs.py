@@ -9,6 +9,7 @@ of the named file adds the check.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ def _batch(rows: int = ROWS, features: int = 64, seed: int = 0) -> dict[str, tor
     }
 
 
-def _state(features: tuple[int, ...] = (16,)) -> jaxcore.TrainState:
+@functools.lru_cache(maxsize=4)
+def _initial(features: tuple[int, ...]) -> jaxcore.TrainState:
     return jaxcore.init_train_state(
         jaxcore.linen_model(MLP(features=features)),
         jaxcore.make_optimizer(),
@@ -49,6 +51,11 @@ def _state(features: tuple[int, ...] = (16,)) -> jaxcore.TrainState:
         seed=0,
         mesh=jaxcore.make_mesh({"data": -1}),
     )
+
+
+def _state(features: tuple[int, ...] = (16,)) -> jaxcore.TrainState:
+    """A fresh copy of one initial state (steps donate their input state)."""
+    return jax.tree.map(jnp.copy, _initial(features))
 
 
 def _step(batch: dict[str, Any], nan_policy: str = "none") -> Any:
@@ -234,20 +241,23 @@ def test_unreadable_clip_is_named_with_the_fix(tmp_path: Path, wav: bytes | None
 
 
 # -- checkpoints ----------------------------------------------------------------------------
-def test_checkpoint_of_another_width_names_both_shapes(tmp_path: Path):
-    save_state(tmp_path / "state", _state((16,)))
+@pytest.fixture(scope="module")
+def saved16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An Orbax checkpoint of the 64-16-10 MLP's state."""
+    path = tmp_path_factory.mktemp("ck") / "state"
+    save_state(path, _state((16,)))
+    return path
+
+
+def test_checkpoint_of_another_model_is_refused_naming_what_differs(saved16: Path):
     with pytest.raises(CheckpointError) as err:
-        restore_state(tmp_path / "state", _state((32,)))
+        restore_state(saved16, _state((32,)))  # another width
     msg = str(err.value)
     assert "does not match this model's state" in msg
     assert "(32, 10)" in msg and "(16, 10)" in msg  # requested and stored
     assert "Fix: resume with the model and optimizer config" in msg
-
-
-def test_checkpoint_of_another_depth_is_refused_naming_the_layer(tmp_path: Path):
-    save_state(tmp_path / "state", _state((16,)))
     with pytest.raises(CheckpointError) as err:
-        restore_state(tmp_path / "state", _state((16, 16)))
+        restore_state(saved16, _state((16, 16)))  # another depth
     msg = str(err.value)
     assert "layers_1" in msg and "MISSING" in msg and "Fix:" in msg
 
@@ -258,10 +268,9 @@ def test_checkpoint_of_another_depth_is_refused_naming_the_layer(tmp_path: Path)
     "called 'Source', shardings repeated, advice to pass partial_restore=True) instead of "
     "a key diff",
 )
-def test_checkpoint_of_another_model_gives_a_clear_key_diff(tmp_path: Path):
-    save_state(tmp_path / "state", _state((16,)))
+def test_checkpoint_of_another_model_gives_a_clear_key_diff(saved16: Path):
     with pytest.raises(CheckpointError) as err:
-        restore_state(tmp_path / "state", _state((16, 16)))
+        restore_state(saved16, _state((16, 16)))
     msg = str(err.value)
     assert "params/layers_1/kernel" in msg and "not in the checkpoint" in msg
     assert "partial_restore" not in msg and "NamedSharding" not in msg
@@ -276,27 +285,29 @@ def _write_export(directory: Path) -> None:
     _enospc()
 
 
-@pytest.mark.parametrize("where", ["lightning.pt", "export hook", "same name"])
 def test_disk_full_while_checkpointing_keeps_the_previous_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     state = _state()
-    root = tmp_path / "ck"
-    previous = root / "epoch=0-step=10.ckpt"
+    previous = tmp_path / "epoch=0-step=10.ckpt"
     OrbaxCheckpointIO(lambda: state, lambda _: None).save_checkpoint({"step": 10}, previous)
     assert verify(previous) is None
-    hook = None
-    if where == "export hook":
-        hook = _write_export
-    else:
-        monkeypatch.setattr(ckpt.torch, "save", _enospc)
-    io = OrbaxCheckpointIO(lambda: state, lambda _: None, hook)
-    target = previous if where == "same name" else root / "epoch=0-step=20.ckpt"
-    with pytest.raises(OSError) as err:
-        io.save_checkpoint({"step": 20}, target)
-    assert err.value.errno == errno.ENOSPC
-    assert [p.name for p in root.iterdir()] == [previous.name]  # no partial directory
-    assert verify(previous) is None  # the previous checkpoint is intact
+    cases = [  # (where the write fails, the checkpoint being written)
+        ("export hook", tmp_path / "epoch=0-step=20.ckpt"),
+        ("lightning.pt", tmp_path / "epoch=0-step=20.ckpt"),
+        ("lightning.pt", previous),  # rewriting the same name
+    ]
+    for where, target in cases:
+        hook = _write_export if where == "export hook" else None
+        if where == "lightning.pt":
+            monkeypatch.setattr(ckpt.torch, "save", _enospc)
+        io = OrbaxCheckpointIO(lambda: state, lambda _: None, hook)
+        with pytest.raises(OSError) as err:
+            io.save_checkpoint({"step": 20}, target)
+        assert err.value.errno == errno.ENOSPC
+        assert [p.name for p in tmp_path.iterdir()] == [previous.name], where  # no partial dir
+        assert verify(previous) is None, where  # the previous checkpoint is intact
+    monkeypatch.undo()
     assert torch.load(previous / "lightning.pt", weights_only=True) == {"step": 10}
 
 
