@@ -442,9 +442,20 @@ def run_checks(cfg: Any) -> list[Check]:
         return checks
     checks.append(_workers(loader))
     checks.extend(_recompiles(data, module))
-    if checks[-1].status == FAIL or any(c.name == "workers" and c.status == FAIL for c in checks):
+    if any(c.name in ("workers", "data") and c.status == FAIL for c in checks):
         return checks
-    batch = dict(next(iter(loader)))
+    try:
+        batch = dict(next(iter(loader)))
+    except StopIteration:
+        checks.append(
+            Check(
+                "data",
+                FAIL,
+                "the training loader yields no batch. Fix: check "
+                "the data path, split fractions and data.batch_size.",
+            )
+        )
+        return checks
     k = getattr(module, "steps_per_call", 1)
     n = next(iter(batch.values())).shape[0] // k
     batch = {name: t[:n] for name, t in batch.items()}

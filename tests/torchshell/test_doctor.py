@@ -107,6 +107,14 @@ def test_twin_input_shape_mismatch_names_field_expected_and_got(tmp_path: Path):
     assert "the data gives float32[64, 64]" in sample.detail and "Fix:" in sample.detail
 
 
+def test_a_training_set_without_one_full_batch_fails(tmp_path: Path):
+    overrides = [*_base(tmp_path), "data.val_fraction=0.5", "data.test_fraction=0.5"]
+    data = _by_name(run_checks(compose_config(overrides)))["data"]
+    assert data.status == FAIL
+    assert "the training set has 1 rows, not one full batch of 64" in data.detail
+    assert "Fix:" in data.detail
+
+
 @pytest.mark.parametrize(
     ("override", "needle"), [("optim.lrr=1", "optim.lrr"), ("trainer.max_steps=abc", "max_steps")]
 )
