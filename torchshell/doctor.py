@@ -271,7 +271,7 @@ def _sharding(cfg: Any, module: Any, abstract: Any) -> Check:
 
     rules = jaxcore.sharding_rules(
         cfg.mesh.preset,
-        OmegaConf.to_container(cfg.mesh.rules) or [],
+        list(OmegaConf.to_container(cfg.mesh.rules) or []),
         data_axis=cfg.mesh.data_axis,
         model_axis=cfg.mesh.model_axis,
     )
