@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +255,8 @@ def test_checkpoint_of_another_model_is_refused_naming_what_differs(saved16: Pat
         restore_state(saved16, _state((32,)))  # another width
     msg = str(err.value)
     assert "does not match this model's state" in msg
-    assert "(32, 10)" in msg and "(16, 10)" in msg  # requested and stored
+    # Orbax reports the first mismatching leaf it meets (restores run in parallel)
+    assert re.search(r"Requested shape: \([^)]*32[^)]*\).*stored shape: \([^)]*16", msg)
     assert "Fix: resume with the model and optimizer config" in msg
     with pytest.raises(CheckpointError) as err:
         restore_state(saved16, _state((16, 16)))  # another depth
