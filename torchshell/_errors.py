@@ -21,3 +21,7 @@ class TorchModelError(ShellError, ValueError):
 
 class TrackingError(ShellError, ValueError):
     """A tracking request the MLflow logger cannot carry out as asked."""
+
+
+class DistributedError(ShellError, RuntimeError):
+    """The multi-process runtime could not start, or a process of the run stopped."""

@@ -8,6 +8,9 @@ Each checkpoint is a directory written atomically (a temporary directory, then a
                           (tensors and plain types only: loaded with weights_only=True)
         export/model.safetensors, config.yaml   written by an ``on_save`` hook, if any
         manifest.json     sha256 of every file above, written last
+
+With several JAX processes (``torchshell.distributed``) every process writes its shards of the
+state into the same directory; process 0 writes the other files and commits the rename.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from torchshell._errors import CheckpointError
+from torchshell.distributed import barrier, is_main
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"step=(\d+)")
@@ -149,26 +153,43 @@ class OrbaxCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
+        """Writes the checkpoint directory; with several JAX processes every one calls it.
+
+        Orbax writes the (sharded) state from every process into one directory, so the
+        temporary directory has the same name everywhere; ``on_save`` runs on every process
+        too (it may gather sharded params, a collective) and writes files on process 0 only.
+        Process 0 alone writes ``lightning.pt`` and the manifest and renames the directory,
+        between barriers.
+        """
         final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        multi = jax.process_count() > 1
+        main = is_main()
+        suffix = "" if multi else f"-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / f".tmp-{final.name}{suffix}"
         try:
-            tmp.mkdir()
+            if main:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+                tmp.mkdir()
+            barrier(f"coreshell-ckpt-open-{final.name}")
             save_state(tmp / "state", self.get_state())
-            torch.save(checkpoint, tmp / "lightning.pt")
             if self.on_save is not None:
                 self.on_save(tmp)
-            digests = {str(p.relative_to(tmp)): _digest(p) for p in _files(tmp)}
-            (tmp / MANIFEST).write_text(json.dumps(digests, indent=1))
-            if final.exists():
-                trash = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-                final.replace(trash)
-                tmp.replace(final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                tmp.replace(final)
+            barrier(f"coreshell-ckpt-written-{final.name}")
+            if main:
+                torch.save(checkpoint, tmp / "lightning.pt")
+                digests = {str(p.relative_to(tmp)): _digest(p) for p in _files(tmp)}
+                (tmp / MANIFEST).write_text(json.dumps(digests, indent=1))
+                if final.exists():
+                    trash = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+                    final.replace(trash)
+                    tmp.replace(final)
+                    shutil.rmtree(trash, ignore_errors=True)
+                else:
+                    tmp.replace(final)
+            barrier(f"coreshell-ckpt-done-{final.name}")
         finally:
-            if tmp.exists():
+            if main and tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def load_checkpoint(
@@ -186,7 +207,8 @@ class OrbaxCheckpointIO(CheckpointIO):
         return checkpoint  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
-        shutil.rmtree(Path(path), ignore_errors=True)
+        if is_main():  # every process is Lightning's "global zero" of its own run
+            shutil.rmtree(Path(path), ignore_errors=True)
 
 
 class CheckpointOnSigterm(Callback):

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import jaxcore
 from jaxcore import losses
+from torchshell import distributed
 from torchshell._errors import CheckpointError, ConfigError
 from torchshell.checkpoint import (
     CheckpointOnSigterm,
@@ -29,12 +30,15 @@ from torchshell.checkpoint import (
 from torchshell.config import register_configs
 from torchshell.doctor import doctor_command
 from torchshell.export import export_command, export_module, max_abs_diff
+from torchshell.launch import launch_command
 from torchshell.module import JaxModule
 
 USAGE = """usage: coreshell train [OVERRIDES...]
+       coreshell launch --nproc N [--devices-per-proc K] -- train [OVERRIDES...]
 
   train    train with the Hydra config in conf/ (e.g. trainer.max_steps=200 optim.lr=1e-3)
            add --cfg job to print the resolved config, -m for a multirun sweep
+  launch   run `train` in N local processes on JAX's distributed runtime
 """
 
 
@@ -78,10 +82,12 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, JaxModule, torch.nn.M
     """The data module, the :class:`JaxModule` and the torch model to export into.
 
     With ``steps_per_call=K`` the training DataLoader carries ``K * data.batch_size`` rows
-    per batch (``JaxModule`` views them as K stacked batches).
+    per batch (``JaxModule`` views them as K stacked batches). ``data.batch_size`` is the
+    global batch: with several JAX processes each loader yields its share of the rows.
     """
     k = cfg.step.steps_per_call
-    data = instantiate(cfg.data, seed=cfg.seed, batch_size=cfg.data.batch_size * k)
+    rows = distributed.local_batch_size(cfg.data.batch_size) * k
+    data = instantiate(cfg.data, seed=cfg.seed, batch_size=rows)
     mesh = jaxcore.make_mesh(dict(cfg.mesh.axes), num_devices=cfg.mesh.num_devices)
     options = dict(
         mesh=mesh,
@@ -95,7 +101,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, JaxModule, torch.nn.M
         accum_steps=cfg.step.accum_steps,
         compute_dtype=cfg.precision.compute_dtype,
         nan_policy=cfg.step.nan_policy,
-        print_summary=cfg.trainer.enable_model_summary,
+        print_summary=cfg.trainer.enable_model_summary and distributed.is_main(),
     )
     loss = _loss(cfg.model.loss)
     tx = jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim))
@@ -118,6 +124,9 @@ def _export_hook(cfg: DictConfig, module: JaxModule, twin: torch.nn.Module) -> A
     """Writes the torch weights and the config beside a checkpoint."""
 
     def on_save(directory: Path) -> None:
+        if not distributed.is_main():  # the same gathers (collectives) as process 0's export
+            module.torch_state_dict(twin)
+            return
         export_module(module, twin, directory / "export" / "model.safetensors")
         OmegaConf.save(cfg, directory / "config.yaml")
 
@@ -154,6 +163,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Returns:
         ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
     """
+    distributed.initialize(**OmegaConf.to_container(cfg.dist))  # before JAX touches a device
+    main = distributed.is_main()  # the process that logs, prints and writes exports
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.step.compile_cache_dir:
@@ -172,15 +183,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             f"step.steps_per_call={k}. Fix: make it a multiple of {k}."
         )
     data, module, twin = build(cfg)
-    if cfg.step.dump_hlo:
+    if cfg.step.dump_hlo and main:
         module.hlo_dump_dir = out_dir / "hlo"
     ckpt_path = _resume_path(cfg)
-    logger = MLFlowLogger(
-        experiment_name=cfg.tracking.experiment,
-        tracking_uri=cfg.tracking.uri,
-        run_name=cfg.tracking.run_name,
+    logger = (
+        MLFlowLogger(
+            experiment_name=cfg.tracking.experiment,
+            tracking_uri=cfg.tracking.uri,
+            run_name=cfg.tracking.run_name,
+        )
+        if main
+        else None
     )
-    logger.log_hyperparams(_flatten(cfg))
+    if logger is not None:
+        logger.log_hyperparams(_flatten(cfg))
     checkpointing = cfg.ckpt.every_n_steps > 0
     sigterm = CheckpointOnSigterm(cfg.ckpt.dir)
     callbacks: list[L.Callback] = [sigterm]
@@ -200,24 +216,30 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        logger=logger,
+        logger=logger or False,
         callbacks=callbacks,
         plugins=[ckpt_io],
         enable_checkpointing=checkpointing,
         default_root_dir=str(out_dir),
-        **{**OmegaConf.to_container(cfg.trainer), "enable_model_summary": False},
+        **{
+            **OmegaConf.to_container(cfg.trainer),
+            "enable_model_summary": False,
+            "enable_progress_bar": cfg.trainer.enable_progress_bar and main,
+        },
     )
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException:
-        logger.finalize("KILLED")
+        if logger is not None:
+            logger.finalize("KILLED")
         print(
             f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
             f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}"
         )
         raise SystemExit(0) from None
     except jaxcore.NonFiniteError as err:
-        logger.finalize("FAILED")
+        if logger is not None:
+            logger.finalize("FAILED")
         print(
             f"coreshell: stopped: {err}\nThe newest checkpoint in {cfg.ckpt.dir} holds the "
             "last good state.",
@@ -235,6 +257,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "trainer.max_steps/limit_train_batches and that the data set is "
             "not empty."
         )
+    if logger is None:
+        return _follow_main(cfg, data, module, twin, metrics)
     export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
     batch = next(iter(data.test_dataloader()))
     jax_logits = module.predict_step(batch, 0)
@@ -265,6 +289,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _follow_main(
+    cfg: DictConfig, data: Any, module: JaxModule, twin: torch.nn.Module, metrics: dict[str, Any]
+) -> dict[str, Any]:
+    """A process > 0 after fit: joins process 0's collectives (export gather, parity
+    predict) in the same order, and leaves logging and files to process 0."""
+    module.torch_state_dict(twin)
+    module.predict_step(next(iter(data.test_dataloader())), 0)
+    return {"run_id": None, "tracking_uri": cfg.tracking.uri, "export": None, "metrics": metrics}
+
+
 def _train_main(argv: Sequence[str]) -> None:
     import hydra
 
@@ -284,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _train_main(rest)
     elif command == "export":
         export_command(rest)
+    elif command == "launch":
+        raise SystemExit(launch_command(rest))
     elif command == "doctor":
         raise SystemExit(doctor_command(rest))
     else:

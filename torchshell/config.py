@@ -96,6 +96,25 @@ class CkptConfig:
 
 
 @dataclass
+class DistConfig:
+    """JAX's multi-process runtime (see ``torchshell.distributed.initialize``).
+
+    Nothing set: one process. ``auto: true`` detects SLURM, Open MPI or Kubernetes; or pass
+    ``coordinator`` (process 0's ``HOST:PORT``), ``num_processes`` and ``process_id`` on every
+    process (``coreshell launch --nproc N`` does that on one machine).
+    """
+
+    auto: bool = False
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: list[int] | None = None
+    bind_address: str | None = None
+    heartbeat_timeout_s: int = 30
+    init_timeout_s: int = 300
+
+
+@dataclass
 class ModelConfig:
     """The model: a Flax module with its torch twin (export target), or a torch module.
 
@@ -124,6 +143,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     resume: str | None = None
     seed: int = 0
     test_after_fit: bool = True

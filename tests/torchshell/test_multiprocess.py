@@ -1,0 +1,230 @@
+"""Several JAX processes: `coreshell launch` trains like one process, and fails loudly.
+
+2 processes x 4 CPU devices (gloo collectives) against 1 process x 8 devices (this test
+process, see conftest.py) on the digits MLP, data parallel and fully sharded.
+"""
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+from safetensors.torch import load_file
+
+from torchshell import cli
+from torchshell._errors import ConfigError
+from torchshell.checkpoint import restore_state, verify
+from torchshell.config import register_configs
+from torchshell.launch import child_commands, child_env
+
+STEPS = 20
+COMMON = [
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "test_after_fit=false",
+    "step.dump_hlo=false",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def _compose(overrides: list[str], run_dir: Path):
+    register_configs()
+    with initialize_config_dir(config_dir=str(cli.config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def _losses(uri: str, experiment: str) -> dict[str, list[float]]:
+    """``{mesh preset: train/loss per step}`` of every run in ``experiment``."""
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    out = {}
+    for run in client.search_runs([exp.experiment_id]):
+        history = client.get_metric_history(run.info.run_id, "train/loss")
+        out[run.data.params["mesh.preset"]] = [m.value for m in sorted(history, key=_step)]
+    return out
+
+
+def _step(m):
+    return m.step
+
+
+def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow's artifact store of the in-process runs
+    launched_uri = f"sqlite:///{tmp_path}/launched.db"
+    sweep = tmp_path / "sweep"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "launch",
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "4",
+        "--",
+        "train",
+        "-m",
+        "mesh=dp,fsdp",
+        *COMMON,
+        "ckpt.every_n_steps=10",
+        f"ckpt.dir={tmp_path}/ckpt/${{mesh.preset}}",
+        f"tracking.uri={launched_uri}",
+        "tracking.experiment=launched",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=_env()
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank 1] " in proc.stdout and "[rank 0] " in proc.stdout
+    # only process 0 logs: one MLflow run per job, not one per process
+    launched = _losses(launched_uri, "launched")
+    assert sorted(launched) == ["dp", "fsdp"]
+
+    base_uri = f"sqlite:///{tmp_path}/base.db"
+    for job, preset in enumerate(["dp", "fsdp"]):
+        overrides = [
+            *COMMON,
+            f"mesh={preset}",
+            "ckpt.every_n_steps=0",
+            f"tracking.uri={base_uri}",
+            "tracking.experiment=base",
+        ]
+        cfg = _compose(overrides, tmp_path / f"base-{preset}")
+        summary = cli.train(cfg)
+        base = _losses(base_uri, "base")[preset]
+        assert len(base) == len(launched[preset]) == STEPS
+        np.testing.assert_allclose(launched[preset], base, rtol=1e-5, err_msg=preset)
+
+        # the exported torch weights agree too
+        ours = load_file(sweep / str(job) / "export" / "model.safetensors")
+        theirs = load_file(summary["export"])
+        assert sorted(ours) == sorted(theirs)
+        for name in ours:  # Adam turns float noise in near-zero grads into lr-sized steps
+            gap = np.linalg.norm(ours[name] - theirs[name]) / np.linalg.norm(theirs[name])
+            assert gap < 1e-5, (preset, name, gap)
+
+        # the Orbax checkpoint written by both processes is whole: it restores here into
+        # the one-process state and holds the weights exported beside it
+        final = tmp_path / "ckpt" / preset / f"epoch=1-step={STEPS}.ckpt"
+        assert verify(final) is None
+        data, module, twin = cli.build(cfg)
+        data.setup("fit")
+        module.init_state(next(iter(data.train_dataloader())))
+        module.state = restore_state(final / "state", module.state)
+        written = load_file(final / "export" / "model.safetensors")
+        for name, value in module.torch_state_dict(twin).items():
+            np.testing.assert_array_equal(value.numpy(), written[name].numpy())
+        assert not any(p.name.startswith(".tmp-") for p in final.parent.iterdir())
+
+
+def _reader(stream, lines: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
+def test_killed_process_stops_the_run_with_a_clear_message(tmp_path: Path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "launch",
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "2",
+        "--",
+        "train",
+        "trainer.max_steps=100000",
+        "trainer.log_every_n_steps=1000",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=true",
+        "ckpt.every_n_steps=0",
+        "step.dump_hlo=false",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    pids: dict[int, int] = {}
+    seen = []
+    try:
+        while True:  # until process 0 has built the sharded state: training has begun
+            line = lines.get(timeout=600)
+            assert line is not None, "".join(seen)[-3000:] + proc.stderr.read()[-3000:]
+            seen.append(line)
+            if m := re.match(r"coreshell launch: rank (\d) is pid (\d+)", line):
+                pids[int(m.group(1))] = int(m.group(2))
+            if line.startswith("[rank 0] JAX params on mesh"):
+                break
+        os.kill(pids[1], signal.SIGKILL)
+        # bounded: the launcher notices at once; the timeout only keeps a broken run from
+        # hanging the suite
+        rc = proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert rc != 0
+    assert f"rank 1 (pid {pids[1]}) failed: killed by signal SIGKILL" in err, err[-3000:]
+    assert "stopped rank(s) [0]" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # the survivor is gone, not left waiting on its peer
+
+
+def test_launch_commands_and_environment():
+    cmds = child_commands(["train", "seed=3"], 2, 4321, run_dir="out")
+    assert [c[-6:-2] for c in cmds][1] == [
+        "dist.coordinator=127.0.0.1:4321",
+        "dist.num_processes=2",
+        "dist.process_id=1",
+        "dist.bind_address=127.0.0.1:4321",
+    ]
+    assert cmds[0][-1] == "hydra.run.dir=out" and cmds[1][-1] == "hydra.output_subdir=null"
+    env = child_env({"XLA_FLAGS": "--xla_dump_to=/x --xla_force_host_platform_device_count=8"}, 4)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/x --xla_force_host_platform_device_count=4"
+    with pytest.raises(ConfigError, match="launch runs `train`"):
+        child_commands(["export", "run"], 2, 1)
+    with pytest.raises(ConfigError, match=r"sets .* itself"):
+        child_commands(["train", "dist.process_id=1"], 2, 1)
+
+
+def test_dist_config_errors_name_the_fix():
+    from torchshell.distributed import initialize
+
+    with pytest.raises(ConfigError, match=r"need dist\.coordinator"):
+        initialize(num_processes=2, process_id=1)
+    with pytest.raises(ConfigError, match=r"dist.process_id must be in \[0"):
+        initialize(coordinator="127.0.0.1:1", num_processes=2, process_id=2)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        initialize(coordinator="nohost", num_processes=2, process_id=0)
+    assert initialize() is False
