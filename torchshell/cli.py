@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import numpy as np
@@ -13,7 +13,6 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,9 +28,11 @@ from torchshell.checkpoint import (
 )
 from torchshell.config import register_configs
 from torchshell.doctor import doctor_command
-from torchshell.export import export_command, export_module, max_abs_diff
+from torchshell.export import export_command, export_module
 from torchshell.launch import launch_command
 from torchshell.module import JaxModule
+from torchshell.publish import publish, test_predictions
+from torchshell.tracking import AsyncMLflowLogger, SystemMetrics, run_tags
 
 USAGE = """usage: coreshell train [OVERRIDES...]
        coreshell launch --nproc N [--devices-per-proc K] -- train [OVERRIDES...]
@@ -163,8 +164,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Returns:
         ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
     """
-    distributed.initialize(**OmegaConf.to_container(cfg.dist))  # before JAX touches a device
-    main = distributed.is_main()  # the process that logs, prints and writes exports
+    distributed.initialize(**cast(dict[str, Any], OmegaConf.to_container(cfg.dist)))
+    # after initialize (JAX touches no device before); process 0 logs, prints and exports
+    main = distributed.is_main()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.step.compile_cache_dir:
@@ -186,17 +188,95 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.step.dump_hlo and main:
         module.hlo_dump_dir = out_dir / "hlo"
     ckpt_path = _resume_path(cfg)
-    logger = (
-        MLFlowLogger(
-            experiment_name=cfg.tracking.experiment,
+    logger = None
+    if main:
+        logger = AsyncMLflowLogger(
+            cfg.tracking.experiment,
             tracking_uri=cfg.tracking.uri,
             run_name=cfg.tracking.run_name,
+            tags=run_tags(module.mesh),
+            spill_dir=out_dir / "tracking",
         )
-        if main
-        else None
+        logger.log_config(cfg)
+    interval = cfg.tracking.system_metrics_interval_s
+    system = SystemMetrics(logger, interval_s=interval) if logger and interval else None
+    trainer, sigterm = _make_trainer(cfg, module, twin, logger, out_dir, main)
+    status = "FAILED"
+    try:
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            status = "KILLED"
+            print(
+                f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
+                f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}"
+            )
+            raise SystemExit(0) from None
+        except jaxcore.NonFiniteError as err:
+            print(
+                f"coreshell: stopped: {err}\nThe newest checkpoint in {cfg.ckpt.dir} holds "
+                "the last good state.",
+                file=sys.stderr,
+            )
+            raise SystemExit(1) from None
+        metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
+        if cfg.test_after_fit:
+            trainer.test(module, datamodule=data, verbose=False)
+            metrics |= {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
+        if module.state is None:
+            raise ConfigError(
+                "Training ran no step, so there is nothing to export. Fix: check "
+                "trainer.max_steps/limit_train_batches and that the data set is "
+                "not empty."
+            )
+        if logger is None:
+            return _follow_main(cfg, data, module, twin, metrics)
+        result = publish(
+            logger,
+            module,
+            twin,
+            data,
+            out_dir,
+            inputs=list(cfg.model.inputs),
+            register_as=cfg.tracking.register_as,
+            step=trainer.global_step,
+        )
+        status = "FINISHED"
+    finally:
+        if system is not None:
+            system.stop()
+        report = logger.close(status) if logger is not None else None
+    assert report is not None
+    print(
+        f"\nMLflow run {report.run_id} in {cfg.tracking.uri} "
+        f"(experiment {cfg.tracking.experiment!r}): {report}"
     )
-    if logger is not None:
-        logger.log_hyperparams(_flatten(cfg))
+    print(
+        "  metrics: "
+        + ", ".join(
+            f"{k}={v:.4f}"
+            for k, v in sorted(metrics.items())
+            if "/" in k and not k.startswith("bridge/")
+        )
+    )
+    print(
+        f"  torch weights: {result['export']} "
+        f"(parity max abs diff {result['parity_max_abs_diff']:.2e})"
+    )
+    if cfg.tracking.uri.startswith("sqlite:"):
+        print(f"  open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+    return {"run_id": report.run_id, "tracking_uri": cfg.tracking.uri, "metrics": metrics, **result}
+
+
+def _make_trainer(
+    cfg: DictConfig,
+    module: JaxModule,
+    twin: torch.nn.Module,
+    logger: Any,
+    out_dir: Path,
+    main: bool,
+) -> tuple[L.Trainer, CheckpointOnSigterm]:
+    """The real ``lightning.Trainer`` with Orbax checkpoints on the configured schedule."""
     checkpointing = cfg.ckpt.every_n_steps > 0
     sigterm = CheckpointOnSigterm(cfg.ckpt.dir)
     callbacks: list[L.Callback] = [sigterm]
@@ -213,6 +293,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ckpt_io = OrbaxCheckpointIO(
         lambda: module.state, module.restore_from, _export_hook(cfg, module, twin)
     )
+    trainer_args = {
+        **OmegaConf.to_container(cfg.trainer),
+        "enable_model_summary": False,
+        "enable_progress_bar": cfg.trainer.enable_progress_bar and main,
+    }
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -221,72 +306,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         plugins=[ckpt_io],
         enable_checkpointing=checkpointing,
         default_root_dir=str(out_dir),
-        **{
-            **OmegaConf.to_container(cfg.trainer),
-            "enable_model_summary": False,
-            "enable_progress_bar": cfg.trainer.enable_progress_bar and main,
-        },
+        **trainer_args,
     )
-    try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except SIGTERMException:
-        if logger is not None:
-            logger.finalize("KILLED")
-        print(
-            f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
-            f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}"
-        )
-        raise SystemExit(0) from None
-    except jaxcore.NonFiniteError as err:
-        if logger is not None:
-            logger.finalize("FAILED")
-        print(
-            f"coreshell: stopped: {err}\nThe newest checkpoint in {cfg.ckpt.dir} holds the "
-            "last good state.",
-            file=sys.stderr,
-        )
-        raise SystemExit(1) from None
-    metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
-    if cfg.test_after_fit:
-        trainer.test(module, datamodule=data, verbose=False)
-        metrics.update({k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()})
-
-    if module.state is None:
-        raise RuntimeError(
-            "Training ran no step, so there is nothing to export. Fix: check "
-            "trainer.max_steps/limit_train_batches and that the data set is "
-            "not empty."
-        )
-    if logger is None:
-        return _follow_main(cfg, data, module, twin, metrics)
-    export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
-    batch = next(iter(data.test_dataloader()))
-    jax_logits = module.predict_step(batch, 0)
-    with torch.no_grad():
-        torch_logits = twin(*(batch[k] for k in cfg.model.inputs))
-    parity = max_abs_diff(jax_logits.numpy(), torch_logits)
-    logger.log_metrics({"export/parity_max_abs_diff": parity})
-    config_file = out_dir / "config.yaml"
-    OmegaConf.save(cfg, config_file)
-    summary_file = out_dir / "model_summary.txt"
-    summary_file.write_text(module.summary + "\n")
-    client, run_id = logger.experiment, logger.run_id
-    for path in (config_file, summary_file):
-        client.log_artifact(run_id, str(path))
-    client.log_artifact(run_id, str(export_path), "export")
-    logger.finalize("success")
-    print(f"\nMLflow run {run_id} in {cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})")
-    print("  metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
-    print(f"  torch twin weights: {export_path} (parity max abs diff {parity:.2e})")
-    if cfg.tracking.uri.startswith("sqlite:"):
-        print(f"  open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
-    return {
-        "run_id": run_id,
-        "tracking_uri": cfg.tracking.uri,
-        "export": str(export_path),
-        "parity_max_abs_diff": parity,
-        "metrics": metrics,
-    }
+    return trainer, sigterm
 
 
 def _follow_main(
@@ -295,7 +317,7 @@ def _follow_main(
     """A process > 0 after fit: joins process 0's collectives (export gather, parity
     predict) in the same order, and leaves logging and files to process 0."""
     module.torch_state_dict(twin)
-    module.predict_step(next(iter(data.test_dataloader())), 0)
+    test_predictions(module, data)
     return {"run_id": None, "tracking_uri": cfg.tracking.uri, "export": None, "metrics": metrics}
 
 

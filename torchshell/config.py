@@ -84,6 +84,8 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "coreshell"
     run_name: str | None = None
+    register_as: str | None = None
+    system_metrics_interval_s: float | None = 10.0
 
 
 @dataclass

@@ -61,3 +61,37 @@ def test_unknown_config_key_fails_before_work(tmp_path: Path):
     assert proc.returncode != 0
     assert "lrr" in proc.stderr
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_run_page_has_what_deployment_needs(tmp_path: Path, monkeypatch):
+    """Model summary, HLO, confusion matrix and a servable MLflow model reproduce the run."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "train",
+        "trainer.max_steps=40",
+        "trainer.enable_progress_bar=false",
+        f"tracking.uri={uri}",
+        "ckpt.every_n_steps=0",
+        "tracking.experiment=page",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("page").experiment_id])
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "model_summary.txt", "hlo", "plots", "export"} <= names
+    assert run.data.tags["versions.jax"] and run.data.tags["mesh.shape"]
+    assert "compile/flops_per_step" in run.data.metrics or any(
+        k.startswith("compile/") for k in run.data.metrics
+    )
+    import numpy as np
+    import torch
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    x = torch.zeros(3, 64)
+    assert np.asarray(model(x).detach()).shape == (3, 10)

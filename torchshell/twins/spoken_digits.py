@@ -119,6 +119,10 @@ class SpokenDigitsEncoder(nn.Module):
         m = mask[..., None].to(x.dtype)
         return self.head((x * m).sum(1) / m.sum(1).clamp(min=1.0))
 
+    def serving(self) -> SpokenDigitsServing:
+        """The deployable module: this twin behind the torchaudio front-end (raw waveform in)."""
+        return SpokenDigitsServing(self).eval()
+
     def example_input(self, batch: int = 2, frames: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
         """A sample ``(features[B, T, n_mels], frame_mask[B, T])`` for tracing and export."""
         features = torch.randn(
@@ -166,3 +170,4 @@ class SpokenDigitsServing(nn.Module):
         """A sample waveform: 0.5 s of float32 audio at 16 kHz, shape ``[1, 8000]``."""
         t = torch.arange(8000, dtype=torch.float32) / SAMPLE_RATE
         return (0.1 * torch.sin(2 * math.pi * 220.0 * t))[None]
+

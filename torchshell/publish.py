@@ -1,0 +1,95 @@
+"""The end of a run: export, parity, and everything the run page needs to deploy it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchshell.export import export_module, max_abs_diff
+from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
+
+
+def test_predictions(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray]:
+    """JAX logits over the whole test split, and the labels (every process must call it)."""
+    labels, logits = [], []
+    for batch in data.test_dataloader():
+        logits.append(module.predict_step(batch, 0).numpy())
+        labels.append(batch[label_key].numpy() if label_key in batch else None)
+    return labels, np.concatenate(logits)
+
+
+def servable(twin: torch.nn.Module) -> tuple[torch.nn.Module, np.ndarray]:
+    """What MLflow serves: ``twin.serving()`` when the recipe defines one (e.g. the audio
+    front-end in front of the encoder), else the twin; with a numpy input example."""
+    serve = twin.serving() if hasattr(twin, "serving") else twin.eval()
+    example = serve.example_input() if hasattr(serve, "example_input") else None
+    if not isinstance(example, torch.Tensor):
+        raise TypeError(
+            f"{type(serve).__name__} needs an example_input() returning one tensor to be "
+            "logged as an MLflow model. Fix: add it, or a serving() method that wraps the "
+            "twin into a single-input module."
+        )
+    return serve, example.numpy()
+
+
+def spectrogram_png(features: np.ndarray, path: Path) -> Path:
+    """A log-mel spectrogram ``[T, n_mels]`` drawn to a PNG (matplotlib's Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.imshow(features.T, origin="lower", aspect="auto")
+    ax.set(xlabel="frame", ylabel="mel bin", title="sample input features")
+    fig.savefig(path)
+    return path
+
+
+def publish(
+    logger: AsyncMLflowLogger,
+    module: Any,
+    twin: torch.nn.Module,
+    data: Any,
+    out_dir: Path,
+    *,
+    inputs: Sequence[str],
+    register_as: str | None = None,
+    step: int = 0,
+) -> dict[str, Any]:
+    """Exports the trained weights to ``twin``, checks parity, and logs the deployable run.
+
+    Logged: ``export/model.safetensors``, ``export/parity_max_abs_diff`` (JAX vs torch on a
+    test batch), the model summary, the train step's HLO, a confusion matrix PNG (when the
+    batches have labels), a sample spectrogram (audio recipes), and the torch model as an
+    MLflow PyTorch model with signature and input example (optionally registered).
+
+    Returns:
+        ``{"export": path, "parity_max_abs_diff": float, "test_accuracy": float | None}``.
+    """
+    export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
+    labels, logits = test_predictions(module, data)
+    batch = next(iter(data.test_dataloader()))
+    with torch.no_grad():
+        torch_logits = twin(*(batch[k] for k in inputs))
+    parity = max_abs_diff(logits[: len(torch_logits)], torch_logits)
+    logger.log_metrics({"export/parity_max_abs_diff": parity}, step=step)
+    logger.log_artifact(export_path, "export")
+    logger.log_text(module.summary + "\n", "model_summary.txt")
+    if module.hlo_dump_dir is not None and Path(module.hlo_dump_dir).is_dir():
+        logger.log_artifact(module.hlo_dump_dir, "hlo")
+    accuracy = None
+    if labels and labels[0] is not None and logits.ndim == 2:
+        y = np.concatenate(labels)
+        log_confusion_matrix(logger, y, logits.argmax(-1))
+        accuracy = float((logits.argmax(-1) == y).mean())
+    if "features" in batch and batch["features"].dim() == 3:
+        png = spectrogram_png(batch["features"][0].numpy(), logger.stage_path("spectrogram.png"))
+        logger.log_artifact(png, "plots")
+    serve, example = servable(twin)
+    log_torch_model(logger, serve, example, register_as=register_as)
+    return {"export": export_path, "parity_max_abs_diff": parity, "test_accuracy": accuracy}
