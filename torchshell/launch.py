@@ -108,7 +108,24 @@ def child_commands(
     return cmds
 
 
+_ABORT = (134, -signal.SIGABRT)
 _SET_BY_LAUNCH = {"dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto"}
+
+
+def first_failure(codes: Sequence[int | None]) -> tuple[int, int] | None:
+    """``(rank, exit code)`` of the child to blame among ``Popen.poll()`` results, if any.
+
+    A process's death makes JAX abort the others (SIGABRT), so a rank that did not abort is
+    blamed first; then the lowest rank.
+
+    Example:
+        >>> first_failure([-6, -9, None])
+        (1, -9)
+        >>> first_failure([0, None]) is None
+        True
+    """
+    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+    return min(bad, key=lambda rc: (rc[1] in _ABORT, rc[0])) if bad else None
 
 
 def _describe(returncode: int) -> str:
@@ -117,7 +134,7 @@ def _describe(returncode: int) -> str:
             return f"killed by signal {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
-    if returncode in (134, -signal.SIGABRT):
+    if returncode in _ABORT:
         return "aborted (SIGABRT: JAX's runtime stopped it, e.g. a peer's heartbeat was lost)"
     return f"exit code {returncode}"
 
@@ -218,7 +235,7 @@ def launch(
             group.pumps.append(pump)
         while failed is None:
             codes = [p.poll() for p in group.procs]
-            failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+            failed = first_failure(codes)
             if failed is None and all(c == 0 for c in codes):
                 break
             time.sleep(_POLL_S)
@@ -234,6 +251,13 @@ def launch(
         return 0
     rank, code = failed
     others = f"stopped rank(s) {stopped}" if stopped else "no other rank was still running"
+    ended = [
+        f"rank {r} {_describe(p.returncode)}"
+        for r, p in enumerate(group.procs)
+        if r != rank and r not in stopped and p.returncode
+    ]
+    if ended:
+        others += f" ({', '.join(ended)} on its own)"
     print(
         f"coreshell launch: rank {rank} (pid {group.procs[rank].pid}) failed: "
         f"{_describe(code)}; {others}. A run needs every process, so it ended here. "
@@ -272,4 +296,11 @@ def launch_command(argv: Sequence[str]) -> int:
         return 2
 
 
-__all__ = ["child_commands", "child_env", "free_port", "launch", "launch_command"]
+__all__ = [
+    "child_commands",
+    "child_env",
+    "first_failure",
+    "free_port",
+    "launch",
+    "launch_command",
+]

@@ -25,7 +25,7 @@ from torchshell import cli
 from torchshell._errors import ConfigError
 from torchshell.checkpoint import restore_state, verify
 from torchshell.config import register_configs
-from torchshell.launch import child_commands, child_env
+from torchshell.launch import child_commands, child_env, first_failure
 
 STEPS = 20
 COMMON = [
@@ -212,6 +212,9 @@ def test_launch_commands_and_environment():
     assert cmds[0][-1] == "hydra.run.dir=out" and cmds[1][-1] == "hydra.output_subdir=null"
     env = child_env({"XLA_FLAGS": "--xla_dump_to=/x --xla_force_host_platform_device_count=8"}, 4)
     assert env["XLA_FLAGS"] == "--xla_dump_to=/x --xla_force_host_platform_device_count=4"
+    # the rank that died is blamed, not the peer JAX aborted because of it
+    assert first_failure([-signal.SIGABRT, -signal.SIGKILL]) == (1, -signal.SIGKILL)
+    assert first_failure([None, 1, 2]) == (1, 1) and first_failure([0, None]) is None
     with pytest.raises(ConfigError, match="launch runs `train`"):
         child_commands(["export", "run"], 2, 1)
     with pytest.raises(ConfigError, match=r"sets .* itself"):
