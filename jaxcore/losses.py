@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcore._errors import BatchError
+
 
 def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Mean of ``values[B]`` over rows where ``mask[B]`` is true (all rows when ``None``).
@@ -25,6 +27,32 @@ def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
         return jnp.mean(values)
     m = mask.astype(values.dtype)
     return jnp.sum(values * m) / jnp.maximum(jnp.sum(m), 1)
+
+
+def _labels(logits: jax.Array, batch: Mapping[str, jax.Array], key: str) -> jax.Array:
+    """The integer labels ``[B]`` under ``key``, checked against the logits (at trace time)."""
+    fix = (
+        f"Fix: give the batch integer class indices of shape [B] under {key!r} (int32 in "
+        "the Dataset), or pass label_key= to the loss."
+    )
+    if key not in batch:
+        raise BatchError(
+            f"The loss reads labels {key!r}: expected an integer [B] field, got a "
+            f"batch with keys {sorted(batch)}. {fix}"
+        )
+    labels = batch[key]
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise BatchError(
+            f"Labels {key!r}: expected an integer [B] array, got {labels.dtype} "
+            f"of shape {tuple(labels.shape)}. {fix}"
+        )
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise BatchError(
+            f"Labels {key!r}: expected an integer [B] array matching logits "
+            f"{tuple(logits.shape)} ([B, C]), got shape {tuple(labels.shape)}. "
+            f"{fix}"
+        )
+    return labels
 
 
 def softmax_cross_entropy(
@@ -46,7 +74,7 @@ def softmax_cross_entropy(
         >>> float(m["accuracy"][0])
         1.0
     """
-    labels = batch[label_key]
+    labels = _labels(logits, batch, label_key)
     logits = logits.astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     accuracy = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)

@@ -120,11 +120,6 @@ def test_wrong_input_key_is_named_with_the_fix():
     assert "Fix: name the fields" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxcore/losses.py: softmax_cross_entropy indexes batch['y'] and passes labels to "
-    "optax unchecked (KeyError 'y' / TypeError / ValueError without the field)",
-)
 @pytest.mark.parametrize(
     ("labels", "got"),
     [
@@ -142,11 +137,6 @@ def test_bad_labels_name_the_field_expected_and_got(labels: dict[str, Any], got:
     assert "'y'" in msg and "integer" in msg and got in msg and "Fix:" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchshell/module.py: a batch whose per-row shape differs from the one the state "
-    "was built from fails inside Flax (ScopeParamShapeError on a param) without the field",
-)
 def test_field_shape_change_after_the_first_step_is_named():
     first, second = _batch(), _batch(features=32, seed=1)
     with pytest.raises(jaxcore.BatchError) as err:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import lightning as L
 import numpy as np
 import optax
 import torch
+from flax.errors import FlaxError
 from jax.sharding import Mesh
 
 import bridge
@@ -22,6 +24,12 @@ from jaxcore import ModelFns, TrainState
 from torchshell._errors import ConfigError
 from torchshell.checkpoint import restore_state
 from torchshell.summary import param_summary
+
+
+def _signature(batch: Batch) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per-row shape and dtype of every field (what a compiled step is specialised on)."""
+    return {name: (tuple(t.shape[1:]), t.dtype) for name, t in batch.items()}
+
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Mapping[str, torch.Tensor]
@@ -133,6 +141,7 @@ class JaxModule(L.LightningModule):
         self._wait = 0.0  # seconds spent waiting for data since the last log
         self._compute = 0.0  # seconds in the bridge + step dispatch since the last log
         self._batch_end: float | None = None
+        self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     @classmethod
     def from_torch(
@@ -214,6 +223,7 @@ class JaxModule(L.LightningModule):
                 state = restore_state(self._restore_dir, state)
                 self._restore_dir = None
             self.state = state
+            self._fields = _signature(batch)
             self.summary = param_summary(state.params)
             if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
                 print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
@@ -257,7 +267,8 @@ class JaxModule(L.LightningModule):
                 {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
             )
         before = self.trainer.global_step
-        self.state, metrics = self._train_step(self.state, jbatch)
+        with self._naming_fields(batch):
+            self.state, metrics = self._train_step(self.state, jbatch)
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         for _ in range(k):
             progress.increment_ready()
@@ -266,6 +277,28 @@ class JaxModule(L.LightningModule):
         every = max(self.trainer.log_every_n_steps, 1)
         if self.trainer.global_step // every > before // every:
             self._log_train(metrics, rows=jbatch[next(iter(jbatch))].shape[k > 1])
+
+    @contextlib.contextmanager
+    def _naming_fields(self, batch: Batch) -> Iterator[None]:
+        """Turns a trace-time failure on a changed batch into an error naming the field."""
+        try:
+            yield
+        except (TypeError, ValueError, FlaxError) as err:
+            got = _signature(batch)
+            diff = [
+                f"{name!r}: expected per-row shape {want[0]} {want[1]}, got "
+                + (f"{got[name][0]} {got[name][1]}" if name in got else "no such field")
+                for name, want in self._fields.items()
+                if got.get(name) != want
+            ]
+            if not diff:
+                raise
+            raise jaxcore.BatchError(
+                "The batch no longer matches the one the model was built from: "
+                + "; ".join(diff)
+                + ". Fix: keep every field's per-row shape and dtype fixed "
+                "(pad variable lengths to buckets in the collate)."
+            ) from err
 
     def _log_to_loggers(self, metrics: dict[str, float]) -> None:
         if self._trainer is not None:
@@ -316,7 +349,8 @@ class JaxModule(L.LightningModule):
                 batch_sharding=self.batch_sharding,
                 compute_dtype=self.compute_dtype,
             )
-        sums = self._eval_step(state, self._to_jax(batch, self._global_rows(batch)))
+        with self._naming_fields(batch):
+            sums = self._eval_step(state, self._to_jax(batch, self._global_rows(batch)))
         self._eval_sums = (
             sums
             if self._eval_sums is None
