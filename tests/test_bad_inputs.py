@@ -183,11 +183,6 @@ def test_nan_under_the_real_trainer(policy: str):
 
 
 # -- data sets ------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchshell/data/digits.py: split fractions that leave no training rows are "
-    "accepted; fit then runs no step",
-)
 def test_empty_training_split_is_refused_at_setup():
     dm = DigitsDataModule(val_fraction=0.5, test_fraction=0.6)  # nothing left to train on
     with pytest.raises(ShellError) as err:
@@ -214,11 +209,6 @@ def test_spoken_digits_folder_without_manifest_is_named(tmp_path: Path):
     assert "Fix: call ensure_spoken_digits(root)" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchshell/data/spoken_digits.py: SpokenDigitsDataset._load lets soundfile's "
-    "LibsndfileError through (path only: no clip, no fix)",
-)
 @pytest.mark.parametrize(
     "wav", [b"RIFF\x10\x00\x00\x00WAVEgarbage", None], ids=["corrupt-wav", "missing-wav"]
 )

@@ -9,6 +9,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchshell._errors import ConfigError
 from torchshell.data._loader import loader_kwargs
 from torchshell.data._sampler import epoch_batches
 
@@ -65,6 +66,7 @@ class DigitsDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
         n = len(load_digits().target)
         order = np.random.default_rng(split_seed).permutation(n)
         n_val, n_test = int(n * val_fraction), int(n * test_fraction)
@@ -75,6 +77,13 @@ class DigitsDataModule(L.LightningDataModule):
         }
 
     def setup(self, stage: str | None = None) -> None:
+        n_train = len(self.splits["train"])
+        if n_train < self.batch_size:
+            raise ConfigError(
+                f"val_fraction={self.val_fraction} and test_fraction={self.test_fraction} leave "
+                f"{n_train} training rows, fewer than one batch of {self.batch_size}. Fix: lower "
+                "the fractions (their sum must stay well below 1) or the batch size."
+            )
         self.datasets = {name: DigitsDataset(rows) for name, rows in self.splits.items()}
 
     def _loader(self, split: str, batch_size: int, train: bool) -> StatefulDataLoader:

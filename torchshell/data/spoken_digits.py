@@ -17,9 +17,11 @@ import soundfile as sf
 import torch
 import torchaudio
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchshell.data._loader import loader_kwargs
+from torchshell.data._sampler import epoch_batches
 from torchshell.data._spoken_digits_build import (
     DIGITS,
     SAMPLE_RATE,
@@ -136,7 +138,13 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
         return len(self.clips)
 
     def _load(self, path: Path) -> torch.Tensor:
-        data, rate = sf.read(path, dtype="float32", always_2d=True)
+        try:
+            data, rate = sf.read(path, dtype="float32", always_2d=True)
+        except (sf.LibsndfileError, RuntimeError, OSError) as err:
+            raise SpokenDigitsDataError(
+                f"Cannot read clip {path}: expected a 16-bit mono WAV, got: {err}. Fix: rerun "
+                "ensure_spoken_digits(root) (its checksums rebuild damaged or missing files)."
+            ) from err
         wave = torch.from_numpy(data.mean(axis=1))  # mono
         if rate != SAMPLE_RATE:
             if rate not in self._resamplers:
@@ -291,24 +299,24 @@ class SpokenDigitsDataModule(L.LightningDataModule):
             for split in ("train", "val", "test")
         }
 
-    def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
-        return DataLoader(
-            self.datasets[split],
-            batch_size=batch_size,
-            shuffle=train,
-            drop_last=train,
-            collate_fn=self.collate,
-            **loader_kwargs(self.num_workers, self.seed),
-        )
+    def _loader(self, split: str, batch_size: int, train: bool) -> StatefulDataLoader:
+        dataset, kwargs = self.datasets[split], loader_kwargs(self.num_workers, self.seed)
+        if train:  # resumable mid-epoch, the order a function of (seed, epoch, process)
+            kwargs.pop("generator", None)
+            batches = epoch_batches(dataset, batch_size=batch_size, seed=self.seed)
+            return StatefulDataLoader(
+                dataset, batch_sampler=batches, collate_fn=self.collate, **kwargs
+            )
+        return StatefulDataLoader(dataset, batch_size=batch_size, collate_fn=self.collate, **kwargs)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         return self._loader("train", self.batch_size, True)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> StatefulDataLoader:
         return self._loader("val", self.eval_batch_size, False)
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> StatefulDataLoader:
         return self._loader("test", self.eval_batch_size, False)
 
-    def predict_dataloader(self) -> DataLoader:
+    def predict_dataloader(self) -> StatefulDataLoader:
         return self._loader("test", self.eval_batch_size, False)
