@@ -112,7 +112,7 @@ def main() -> None:
             "plain file write of the same bytes": _times(write, args.repeats),
         }
         written = target.stat().st_size
-    memcpy_rate = gb / float(np.median(runs["memcpy of the same bytes"]))
+    memcpy_rate = float(np.median([gb / s for s in runs["memcpy of the same bytes"]]))
     rows = []
     for name, seconds in runs.items():
         rates = [gb / s for s in seconds]
