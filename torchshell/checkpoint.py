@@ -54,18 +54,54 @@ def save_state(directory: Path, state: Any) -> None:
         ckptr.wait_until_finished()
 
 
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        "/".join(
+            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
+        ): tuple(leaf.shape)
+        for path, leaf in flat
+    }
+
+
+def _tree_diff(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str:
+    """Paths only in the checkpoint, only in the model, and shapes that differ (params first)."""
+
+    def first(paths: set[str]) -> list[str]:
+        ordered = sorted(paths, key=lambda p: (not p.startswith("params/"), p))
+        return ordered[:10] + ([f"... {len(ordered) - 10} more"] if len(ordered) > 10 else [])
+
+    lines = []
+    if missing := set(wanted) - set(saved):
+        lines.append(f"in this model, not in the checkpoint: {first(missing)}")
+    if extra := set(saved) - set(wanted):
+        lines.append(f"in the checkpoint, not in this model: {first(extra)}")
+    if differ := {p for p in set(saved) & set(wanted) if saved[p] != wanted[p]}:
+        lines.append(
+            "shapes differ (checkpoint vs model): "
+            + ", ".join(f"{p} {saved[p]} vs {wanted[p]}" for p in first(differ) if p in saved)
+        )
+    return "; ".join(lines)
+
+
 def restore_state(directory: Path, template: Any) -> Any:
-    """Restores into the structure, dtypes and shardings of ``template``."""
+    """Restores into the structure, dtypes and shardings of ``template``.
+
+    Raises:
+        CheckpointError: naming the paths only in the checkpoint, only in the model, and the
+            shapes that differ, when the checkpoint belongs to another model.
+    """
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _savable(template))
     with ocp.StandardCheckpointer() as ckptr:
-        try:
-            raw = ckptr.restore(directory.absolute(), target)
-        except (ValueError, KeyError) as err:
+        saved = _shapes(ckptr.metadata(directory.absolute()).item_metadata.tree)
+        diff = _tree_diff(saved, _shapes(target))
+        if diff:
             raise CheckpointError(
-                f"The checkpoint at {directory} does not match this model's state: {err}. "
-                "Fix: resume with the model and optimizer config the checkpoint was written "
-                "with, or start a new run (resume=null)."
-            ) from err
+                f"The checkpoint at {directory} belongs to another model: {diff}. Fix: resume "
+                "with the model and optimizer config it was written with (its config.yaml), "
+                "or start a new run (resume=null)."
+            )
+        raw = ckptr.restore(directory.absolute(), target)
     return jax.tree.map(
         lambda t, r: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
         template,
@@ -161,7 +197,18 @@ class OrbaxCheckpointIO(CheckpointIO):
         Process 0 alone writes ``lightning.pt`` and the manifest and renames the directory,
         between barriers.
         """
-        final = Path(path)
+        try:
+            self._save(checkpoint, Path(path))
+        except OSError as err:
+            previous = latest_checkpoint(Path(path).parent, log=lambda _: None)
+            raise CheckpointError(
+                f"Writing checkpoint {Path(path).name} failed: {err.strerror or err}. Nothing "
+                "partial was left; the newest intact checkpoint is "
+                f"{previous if previous is not None else 'none'}. Fix: free space on "
+                f"{Path(path).parent}, lower ckpt.keep, or move ckpt.dir."
+            ) from err
+
+    def _save(self, checkpoint: dict[str, Any], final: Path) -> None:
         multi = jax.process_count() > 1
         main = is_main()
         suffix = "" if multi else f"-{uuid.uuid4().hex[:8]}"
