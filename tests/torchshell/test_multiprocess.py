@@ -69,44 +69,72 @@ def _step(m):
     return m.step
 
 
-def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # MLflow's artifact store of the in-process runs
-    launched_uri = f"sqlite:///{tmp_path}/launched.db"
-    sweep = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchshell.cli",
-        "launch",
-        "--nproc",
-        "2",
-        "--devices-per-proc",
-        "4",
-        "--",
-        "train",
-        "-m",
-        "mesh=dp,fsdp",
-        *COMMON,
-        "ckpt.every_n_steps=10",
-        f"ckpt.dir={tmp_path}/ckpt/${{mesh.preset}}",
-        f"tracking.uri={launched_uri}",
-        "tracking.experiment=launched",
-        f"hydra.sweep.dir={sweep}",
-    ]
+def _launch(tmp_path: Path, nproc: int, devices: int, overrides: list[str]) -> str:
+    cmd = [sys.executable, "-m", "torchshell.cli", "launch", "--nproc", str(nproc)]
+    cmd += ["--devices-per-proc", str(devices), "--", "train", *overrides]
     proc = subprocess.run(
         cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[rank 1] " in proc.stdout and "[rank 0] " in proc.stdout
+    return proc.stdout
+
+
+def _close(ours: dict, theirs: dict, what: str) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:  # Adam turns float noise in near-zero grads into lr-sized steps
+        gap = np.linalg.norm(ours[name] - theirs[name]) / np.linalg.norm(theirs[name])
+        assert gap < 1e-5, (what, name, gap)
+
+
+def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow's artifact store of the in-process runs
+    launched_uri = f"sqlite:///{tmp_path}/launched.db"
+    sweep = tmp_path / "sweep"
+    _launch(
+        tmp_path,
+        2,
+        4,
+        [
+            "-m",
+            "mesh=dp,fsdp",
+            *COMMON,
+            f"ckpt.every_n_steps={STEPS}",
+            f"ckpt.dir={tmp_path}/ckpt/${{mesh.preset}}",
+            f"tracking.uri={launched_uri}",
+            "tracking.experiment=launched",
+            f"hydra.sweep.dir={sweep}",
+        ],
+    )
     # only process 0 logs: one MLflow run per job, not one per process
     launched = _losses(launched_uri, "launched")
     assert sorted(launched) == ["dp", "fsdp"]
+    # the fsdp run continues on 2 processes from the checkpoint both of them wrote
+    more = [f"trainer.max_steps={STEPS + 10}", "resume=last", "mesh=fsdp"]
+    _launch(
+        tmp_path,
+        2,
+        4,
+        [
+            *COMMON,
+            *more,
+            "ckpt.every_n_steps=0",
+            f"ckpt.dir={tmp_path}/ckpt/fsdp",
+            f"tracking.uri={launched_uri}",
+            "tracking.experiment=resumed",
+            f"hydra.run.dir={tmp_path}/resumed",
+        ],
+    )
+    resumed = _losses(launched_uri, "resumed")["fsdp"]
+    assert len(resumed) == 10
 
     base_uri = f"sqlite:///{tmp_path}/base.db"
     for job, preset in enumerate(["dp", "fsdp"]):
+        steps = STEPS if preset == "dp" else STEPS + 10
         overrides = [
             *COMMON,
             f"mesh={preset}",
+            f"trainer.max_steps={steps}",
             "ckpt.every_n_steps=0",
             f"tracking.uri={base_uri}",
             "tracking.experiment=base",
@@ -114,16 +142,17 @@ def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkey
         cfg = _compose(overrides, tmp_path / f"base-{preset}")
         summary = cli.train(cfg)
         base = _losses(base_uri, "base")[preset]
-        assert len(base) == len(launched[preset]) == STEPS
-        np.testing.assert_allclose(launched[preset], base, rtol=1e-5, err_msg=preset)
+        history = launched[preset] + (resumed if preset == "fsdp" else [])
+        assert len(base) == len(history) == steps
+        np.testing.assert_allclose(history, base, rtol=1e-5, err_msg=preset)
 
         # the exported torch weights agree too
-        ours = load_file(sweep / str(job) / "export" / "model.safetensors")
-        theirs = load_file(summary["export"])
-        assert sorted(ours) == sorted(theirs)
-        for name in ours:  # Adam turns float noise in near-zero grads into lr-sized steps
-            gap = np.linalg.norm(ours[name] - theirs[name]) / np.linalg.norm(theirs[name])
-            assert gap < 1e-5, (preset, name, gap)
+        out_dir = sweep / str(job) if preset == "dp" else tmp_path / "resumed"
+        _close(
+            load_file(out_dir / "export" / "model.safetensors"),
+            load_file(summary["export"]),
+            preset,
+        )
 
         # the Orbax checkpoint written by both processes is whole: it restores here into
         # the one-process state and holds the weights exported beside it
