@@ -46,7 +46,7 @@ def _labels(logits: jax.Array, batch: Mapping[str, jax.Array], key: str) -> jax.
             f"Labels {key!r}: expected an integer [B] array, got {labels.dtype} "
             f"of shape {tuple(labels.shape)}. {fix}"
         )
-    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+    if labels.shape != logits.shape[:-1]:
         raise BatchError(
             f"Labels {key!r}: expected an integer [B] array matching logits "
             f"{tuple(logits.shape)} ([B, C]), got shape {tuple(labels.shape)}. "
