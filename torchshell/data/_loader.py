@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 
 def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
@@ -35,3 +37,19 @@ def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
         "persistent_workers": True,
         "generator": generator,
     }
+
+
+def batch_collate(data: Any) -> Any:
+    """Collate for datasets with ``__getitems__`` returning a ready batch (a Mapping).
+
+    torch's DataLoader hands a map-style dataset's ``__getitems__(indices)`` result to the
+    collate: a dataset that gathers a whole batch at once (one fancy index per field instead
+    of one ``__getitem__`` per row and a stack) returns it here untouched; lists of rows fall
+    back to ``default_collate``.
+
+    Example:
+        >>> import torch
+        >>> batch_collate({"x": torch.ones(2, 3)})["x"].shape
+        torch.Size([2, 3])
+    """
+    return data if isinstance(data, Mapping) else default_collate(data)

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchshell._errors import ConfigError
-from torchshell.data._loader import loader_kwargs
+from torchshell.data._loader import batch_collate, loader_kwargs
 from torchshell.data._sampler import epoch_batches
 
 
@@ -34,6 +34,11 @@ class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": self.x[i], "y": self.y[i]}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A whole batch in one gather per field (the DataLoader calls this when present)."""
+        rows = torch.as_tensor(indices)
+        return {"x": self.x[rows], "y": self.y[rows]}
 
 
 class DigitsDataModule(L.LightningDataModule):
@@ -92,8 +97,12 @@ class DigitsDataModule(L.LightningDataModule):
         if train:
             kwargs.pop("generator", None)  # the order comes from (seed, epoch)
             batches = epoch_batches(dataset, batch_size=batch_size, seed=self.seed)
-            return StatefulDataLoader(dataset, batch_sampler=batches, **kwargs)
-        return StatefulDataLoader(dataset, batch_size=batch_size, **kwargs)
+            return StatefulDataLoader(
+                dataset, batch_sampler=batches, collate_fn=batch_collate, **kwargs
+            )
+        return StatefulDataLoader(
+            dataset, batch_size=batch_size, collate_fn=batch_collate, **kwargs
+        )
 
     def train_dataloader(self) -> StatefulDataLoader:
         return self._loader("train", self.batch_size, True)
