@@ -49,10 +49,20 @@ class FlaxClassifier(fnn.Module):
 def main(max_steps: int) -> float:
     """Trains the Flax port under the unchanged Trainer flags; returns the twin's accuracy."""
     datamodule = DigitsDataModule(batch_size=64)  # unchanged
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False)  # unchanged
-    module = JaxModule(FlaxClassifier(), jaxcore.softmax_cross_entropy,
-                       jaxcore.make_optimizer("adamw", lr=3e-3), print_summary=False)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )  # unchanged
+    module = JaxModule(
+        FlaxClassifier(),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer("adamw", lr=3e-3),
+        print_summary=False,
+    )
     trainer.fit(module, datamodule)
 
     twin = TorchClassifier()  # the deployment target: the team's own module

@@ -105,7 +105,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, JaxModule, torch.nn.M
         print_summary=cfg.trainer.enable_model_summary and distributed.is_main(),
     )
     loss = _loss(cfg.model.loss)
-    tx = jaxcore.make_optimizer(**OmegaConf.to_container(cfg.optim))
+    tx = jaxcore.make_optimizer(**cast(dict[str, Any], OmegaConf.to_container(cfg.optim)))
     if cfg.model.torch is not None:
         torch.manual_seed(cfg.seed)  # the module's initial weights come from torch's RNG
         net = instantiate(cfg.model.torch, _convert_="all")
@@ -294,7 +294,7 @@ def _make_trainer(
         lambda: module.state, module.restore_from, _export_hook(cfg, module, twin)
     )
     trainer_args = {
-        **OmegaConf.to_container(cfg.trainer),
+        **cast(dict[str, Any], OmegaConf.to_container(cfg.trainer)),
         "enable_model_summary": False,
         "enable_progress_bar": cfg.trainer.enable_progress_bar and main,
     }

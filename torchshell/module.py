@@ -274,7 +274,7 @@ class JaxModule(L.LightningModule):
             progress.increment_ready()
             progress.increment_completed()
         self._compute += time.perf_counter() - t0
-        every = max(self.trainer.log_every_n_steps, 1)
+        every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
         if self.trainer.global_step // every > before // every:
             self._log_train(metrics, rows=jbatch[next(iter(jbatch))].shape[k > 1])
 
@@ -398,10 +398,10 @@ class JaxModule(L.LightningModule):
             self._restore_dir = directory
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        np_state = np.random.get_state()
+        name, keys, *rest = np.random.get_state()
         checkpoint["coreshell_rng"] = {
             "torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "numpy": [name, torch.from_numpy(np.asarray(keys).astype(np.int64)), *rest],
             "python": random.getstate(),
         }
 

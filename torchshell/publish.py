@@ -25,7 +25,7 @@ def test_predictions(module: Any, data: Any, label_key: str = "y") -> tuple[Any,
 def servable(twin: torch.nn.Module) -> tuple[torch.nn.Module, np.ndarray]:
     """What MLflow serves: ``twin.serving()`` when the recipe defines one (e.g. the audio
     front-end in front of the encoder), else the twin; with a numpy input example."""
-    serve = twin.serving() if hasattr(twin, "serving") else twin.eval()
+    serve: Any = getattr(twin, "serving", twin.eval)()
     example = serve.example_input() if hasattr(serve, "example_input") else None
     if not isinstance(example, torch.Tensor):
         raise TypeError(

@@ -61,7 +61,7 @@ def epoch_batches(
     """
     import jax  # here, not at import: spawned DataLoader workers import this module
 
-    sampler = DistributedSampler(
+    sampler: DistributedSampler = DistributedSampler(
         dataset,
         num_replicas=jax.process_count(),
         rank=jax.process_index(),

@@ -170,4 +170,3 @@ class SpokenDigitsServing(nn.Module):
         """A sample waveform: 0.5 s of float32 audio at 16 kHz, shape ``[1, 8000]``."""
         t = torch.arange(8000, dtype=torch.float32) / SAMPLE_RATE
         return (0.1 * torch.sin(2 * math.pi * 220.0 * t))[None]
-
