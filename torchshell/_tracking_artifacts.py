@@ -161,6 +161,8 @@ def log_torch_model(
         "signature": infer_signature(input_example, output),
         "input_example": input_example,
         "pip_requirements": list(pip_requirements or default_pip_requirements()),
+        # torch.export's pt2 archive, never a pickle: loading it runs no user code
+        "serialization_format": "pt2",
     }
     _ = logger.version  # waits a few seconds for the run to exist
     if logger.run_id is not None and server_is_up(logger.tracking_uri):
