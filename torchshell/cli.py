@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -164,6 +165,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Returns:
         ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
     """
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save INFO lines
     distributed.initialize(**cast(dict[str, Any], OmegaConf.to_container(cfg.dist)))
     # after initialize (JAX touches no device before); process 0 logs, prints and exports
     main = distributed.is_main()
