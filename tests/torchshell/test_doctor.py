@@ -25,7 +25,12 @@ NAMES = [
 
 
 def _base(tmp: Path) -> list[str]:
-    return [f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"ckpt.dir={tmp}/ck"]
+    return [
+        "data=digits",
+        "model=digits",
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+        f"ckpt.dir={tmp}/ck",
+    ]
 
 
 def _by_name(checks: list[Check]) -> dict[str, Check]:

@@ -29,6 +29,8 @@ from torchshell.launch import child_commands, child_env, first_failure
 
 STEPS = 20
 COMMON = [
+    "data=digits",
+    "model=digits",
     f"trainer.max_steps={STEPS}",
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",

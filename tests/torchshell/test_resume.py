@@ -18,6 +18,8 @@ from torchshell.checkpoint import latest_checkpoint, verify
 
 STEPS = 120
 COMMON = [
+    "data=digits",
+    "model=digits",
     f"trainer.max_steps={STEPS}",
     "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=10",
@@ -169,6 +171,8 @@ def test_multirun_gives_one_mlflow_run_per_job(tmp_path: Path):
         "torchshell.cli",
         "train",
         "-m",
+        "data=digits",
+        "model=digits",
         "optim.lr=1e-3,3e-3",
         "trainer.max_steps=20",
         "trainer.enable_progress_bar=false",
