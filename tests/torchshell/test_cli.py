@@ -86,3 +86,25 @@ def test_run_page_has_what_deployment_needs(tmp_path: Path, monkeypatch):
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     x = torch.zeros(3, 64)
     assert np.asarray(model(x).detach()).shape == (3, 10)
+
+
+def test_train_a_torch_module_from_the_config(tmp_path: Path):
+    """model=torch_mlp: the nn.Module is traced by torchax; export is its own state_dict."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchshell.cli",
+        "train",
+        "data=digits",
+        "model=torch_mlp",
+        "trainer.max_steps=60",
+        "trainer.enable_progress_bar=false",
+        "ckpt.every_n_steps=0",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    net = TwinMLP()
+    net.load_state_dict(load_file(tmp_path / "run" / "export" / "model.safetensors"), strict=True)
+    assert "parity max abs diff" in proc.stdout

@@ -114,10 +114,10 @@ def test_twin_input_shape_mismatch_names_field_expected_and_got(tmp_path: Path):
 
 def test_a_training_set_without_one_full_batch_fails(tmp_path: Path):
     overrides = [*_base(tmp_path), "data.val_fraction=0.5", "data.test_fraction=0.5"]
-    data = _by_name(run_checks(compose_config(overrides)))["data"]
-    assert data.status == FAIL
-    assert "the training set has 1 rows, not one full batch of 64" in data.detail
-    assert "Fix:" in data.detail
+    build = _by_name(run_checks(compose_config(overrides)))["build"]  # the data module refuses
+    assert build.status == FAIL
+    assert "leave 1 training rows, fewer than one batch of 64" in build.detail
+    assert "Fix:" in build.detail
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,17 +39,38 @@ def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
     }
 
 
-def batch_collate(data: Any) -> Any:
-    """Collate for datasets with ``__getitems__`` returning a ready batch (a Mapping).
+class GatheredRows(Sequence[dict[str, torch.Tensor]]):
+    """A batch a dataset gathered at once (``__getitems__``), still a sequence of rows.
 
-    torch's DataLoader hands a map-style dataset's ``__getitems__(indices)`` result to the
-    collate: a dataset that gathers a whole batch at once (one fancy index per field instead
-    of one ``__getitem__`` per row and a stack) returns it here untouched; lists of rows fall
-    back to ``default_collate``.
+    torch's DataLoader hands ``dataset.__getitems__(indices)`` to the collate function. A
+    dataset returning this object works with any collate (``default_collate`` sees rows), and
+    :func:`batch_collate` takes the pre-gathered batch as it is: one fancy index per field
+    instead of one ``__getitem__`` per row and a stack.
 
     Example:
         >>> import torch
-        >>> batch_collate({"x": torch.ones(2, 3)})["x"].shape
+        >>> rows = GatheredRows({"x": torch.arange(6).reshape(3, 2)})
+        >>> len(rows), rows[1]["x"].tolist()
+        (3, [2, 3])
+    """
+
+    def __init__(self, batch: Mapping[str, torch.Tensor]) -> None:
+        self.batch = dict(batch)
+        self._rows = len(next(iter(self.batch.values())))
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {name: t[i] for name, t in self.batch.items()}
+
+
+def batch_collate(data: Any) -> Any:
+    """Collate that passes a :class:`GatheredRows` batch through and collates rows otherwise.
+
+    Example:
+        >>> import torch
+        >>> batch_collate(GatheredRows({"x": torch.ones(2, 3)}))["x"].shape
         torch.Size([2, 3])
     """
-    return data if isinstance(data, Mapping) else default_collate(data)
+    return data.batch if isinstance(data, GatheredRows) else default_collate(data)

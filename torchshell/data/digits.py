@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchshell._errors import ConfigError
-from torchshell.data._loader import batch_collate, loader_kwargs
+from torchshell.data._loader import GatheredRows, batch_collate, loader_kwargs
 from torchshell.data._sampler import epoch_batches
 
 
@@ -35,10 +35,10 @@ class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": self.x[i], "y": self.y[i]}
 
-    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+    def __getitems__(self, indices: list[int]) -> GatheredRows:
         """A whole batch in one gather per field (the DataLoader calls this when present)."""
         rows = torch.as_tensor(indices)
-        return {"x": self.x[rows], "y": self.y[rows]}
+        return GatheredRows({"x": self.x[rows], "y": self.y[rows]})
 
 
 class DigitsDataModule(L.LightningDataModule):
