@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import lightning as L
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchshell._errors import ConfigError
-from torchshell.data._loader import GatheredRows, batch_collate, loader_kwargs
-from torchshell.data._sampler import epoch_batches
+from torchshell.data._loader import GatheredRows
+from torchshell.data._module import SplitDataModule
 
 
 class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
@@ -41,7 +39,7 @@ class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
         return GatheredRows({"x": self.x[rows], "y": self.y[rows]})
 
 
-class DigitsDataModule(L.LightningDataModule):
+class DigitsDataModule(SplitDataModule):
     """Train/val/test splits of the digits set, fixed by ``split_seed``.
 
     Training batches are shuffled with ``drop_last`` (one compiled step); evaluation keeps
@@ -90,28 +88,3 @@ class DigitsDataModule(L.LightningDataModule):
                 "the fractions (their sum must stay well below 1) or the batch size."
             )
         self.datasets = {name: DigitsDataset(rows) for name, rows in self.splits.items()}
-
-    def _loader(self, split: str, batch_size: int, train: bool) -> StatefulDataLoader:
-        dataset = self.datasets[split]
-        kwargs = loader_kwargs(self.num_workers, self.seed)
-        if train:
-            kwargs.pop("generator", None)  # the order comes from (seed, epoch)
-            batches = epoch_batches(dataset, batch_size=batch_size, seed=self.seed)
-            return StatefulDataLoader(
-                dataset, batch_sampler=batches, collate_fn=batch_collate, **kwargs
-            )
-        return StatefulDataLoader(
-            dataset, batch_size=batch_size, collate_fn=batch_collate, **kwargs
-        )
-
-    def train_dataloader(self) -> StatefulDataLoader:
-        return self._loader("train", self.batch_size, True)
-
-    def val_dataloader(self) -> StatefulDataLoader:
-        return self._loader("val", self.eval_batch_size, False)
-
-    def test_dataloader(self) -> StatefulDataLoader:
-        return self._loader("test", self.eval_batch_size, False)
-
-    def predict_dataloader(self) -> StatefulDataLoader:
-        return self._loader("test", self.eval_batch_size, False)

@@ -12,16 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import soundfile as sf
 import torch
 import torchaudio
 from torch import nn
 from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchshell.data._loader import loader_kwargs
-from torchshell.data._sampler import epoch_batches
+from torchshell.data._module import SplitDataModule
 from torchshell.data._spoken_digits_build import (
     DIGITS,
     SAMPLE_RATE,
@@ -220,7 +217,7 @@ class BucketCollate:
         }
 
 
-class SpokenDigitsDataModule(L.LightningDataModule):
+class SpokenDigitsDataModule(SplitDataModule):
     """Train/val/test splits by speaker of the spoken-digits set, built on first use.
 
     Args:
@@ -277,7 +274,8 @@ class SpokenDigitsDataModule(L.LightningDataModule):
             "seed": split_seed,
         }
         self.n_mels = n_mels
-        self.collate = BucketCollate(buckets)
+        collate = BucketCollate(buckets)
+        self.collate, self.buckets = collate, collate.buckets
         self.augment = augment
         self.seed = seed
         self.datasets: dict[str, SpokenDigitsDataset] = {}
@@ -287,7 +285,7 @@ class SpokenDigitsDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         folder = ensure_spoken_digits(self.root, **self.build_kwargs)  # verified: cheap
-        max_frames = self.collate.buckets[-1]
+        max_frames = self.buckets[-1]
         self.datasets = {
             split: SpokenDigitsDataset(
                 folder,
@@ -298,25 +296,3 @@ class SpokenDigitsDataModule(L.LightningDataModule):
             )
             for split in ("train", "val", "test")
         }
-
-    def _loader(self, split: str, batch_size: int, train: bool) -> StatefulDataLoader:
-        dataset, kwargs = self.datasets[split], loader_kwargs(self.num_workers, self.seed)
-        if train:  # resumable mid-epoch, the order a function of (seed, epoch, process)
-            kwargs.pop("generator", None)
-            batches = epoch_batches(dataset, batch_size=batch_size, seed=self.seed)
-            return StatefulDataLoader(
-                dataset, batch_sampler=batches, collate_fn=self.collate, **kwargs
-            )
-        return StatefulDataLoader(dataset, batch_size=batch_size, collate_fn=self.collate, **kwargs)
-
-    def train_dataloader(self) -> StatefulDataLoader:
-        return self._loader("train", self.batch_size, True)
-
-    def val_dataloader(self) -> StatefulDataLoader:
-        return self._loader("val", self.eval_batch_size, False)
-
-    def test_dataloader(self) -> StatefulDataLoader:
-        return self._loader("test", self.eval_batch_size, False)
-
-    def predict_dataloader(self) -> StatefulDataLoader:
-        return self._loader("test", self.eval_batch_size, False)

@@ -1,0 +1,56 @@
+"""The loader side every recipe's DataModule shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning as L
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchshell.data._loader import batch_collate, loader_kwargs
+from torchshell.data._sampler import epoch_batches
+
+
+class SplitDataModule(L.LightningDataModule):
+    """Train/val/test ``datasets`` served by torchdata's ``StatefulDataLoader``.
+
+    Training batches come from :func:`~torchshell.data._sampler.epoch_batches`: shuffled as a
+    function of ``(seed, epoch, process)``, ``drop_last`` (one compiled step), and resumable
+    mid-epoch (Lightning checkpoints the loader's position). Evaluation keeps every row in
+    order; the shell pads the last batch with a mask. Workers follow
+    :func:`~torchshell.data.loader_kwargs` (``spawn``, persistent).
+
+    Subclasses set ``batch_size``, ``eval_batch_size``, ``num_workers``, ``seed`` and, in
+    ``setup``, ``datasets``; ``collate`` defaults to :func:`batch_collate`.
+    """
+
+    batch_size: int
+    eval_batch_size: int
+    num_workers: int
+    seed: int
+    datasets: Mapping[str, Dataset[Any]]
+    collate: Callable[[Any], Any] = staticmethod(batch_collate)
+
+    def _loader(self, split: str, batch_size: int, train: bool) -> StatefulDataLoader:
+        dataset, kwargs = self.datasets[split], loader_kwargs(self.num_workers, self.seed)
+        if train:
+            kwargs.pop("generator", None)  # the order comes from (seed, epoch, process)
+            batches = epoch_batches(dataset, batch_size=batch_size, seed=self.seed)
+            return StatefulDataLoader(
+                dataset, batch_sampler=batches, collate_fn=self.collate, **kwargs
+            )
+        return StatefulDataLoader(dataset, batch_size=batch_size, collate_fn=self.collate, **kwargs)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        return self._loader("train", self.batch_size, True)
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        return self._loader("val", self.eval_batch_size, False)
+
+    def test_dataloader(self) -> StatefulDataLoader:
+        return self._loader("test", self.eval_batch_size, False)
+
+    def predict_dataloader(self) -> StatefulDataLoader:
+        return self._loader("test", self.eval_batch_size, False)
