@@ -143,6 +143,17 @@ def _place_single(
     return out
 
 
+def _is_host_device(sharding: Sharding, tree: PyTree) -> bool:
+    """The sharding is the one device host tensors land on (``cpu:0``, one process)."""
+    devices = sharding.device_set
+    return (
+        len(devices) == 1
+        and jax.process_count() == 1
+        and next(iter(devices)) == jax.devices("cpu")[0]
+        and all(t.is_cpu for _, t in leaves(tree, _is_tensor))
+    )
+
+
 def _place_sharded(
     named: list[tuple[str, torch.Tensor]],
     sharding: Sharding,
@@ -228,6 +239,8 @@ def to_jax(
     """
     if stats is not None:
         stats.transfers += 1
+    if sharding is not None and _is_host_device(sharding, tree):
+        sharding = None  # one process, one CPU device: DLPack already puts it there
     if sharding is None and pad_to is None:  # the lean path: one walk, no bookkeeping sets
 
         def hand_over(name: str, t: torch.Tensor) -> jax.Array:
