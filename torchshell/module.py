@@ -360,6 +360,8 @@ class JaxModule(L.LightningModule):
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
         if progress_bar:  # (not allowed in on_train_end)
             self.log("loss", logs["train/loss"], prog_bar=True, logger=False)
+            if "perf/samples_per_s" in logs:
+                self.log("samples/s", logs["perf/samples_per_s"], prog_bar=True, logger=False)
         if logs.get("train/nonfinite_steps", 0.0) and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
 
