@@ -231,12 +231,6 @@ class JaxModule(L.LightningModule):
                 print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
         return self.state
 
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        """Lightning never moves tensors here: the bridge hands them to JAX's mesh as they are."""
-        return batch
-
     # -- training ------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._batch_end is not None:
