@@ -21,6 +21,7 @@ def test_coreshell_train_end_to_end(tmp_path: Path):
         "data=digits",
         "model=digits",
         "trainer.max_steps=300",
+        "trainer.log_every_n_steps=10",
         "trainer.enable_progress_bar=false",
         f"tracking.uri={uri}",
         "tracking.experiment=smoke",
