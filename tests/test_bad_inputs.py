@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 import jaxcore
 import torchshell.checkpoint as ckpt
 from jaxcore.models.digits import MLP
+from tests.helpers import quiet_trainer
 from torchshell import JaxModule
 from torchshell._errors import CheckpointError, ShellError
 from torchshell.checkpoint import OrbaxCheckpointIO, restore_state, save_state, verify
@@ -94,16 +94,7 @@ def _fit(batches: list[dict[str, torch.Tensor]], **module_kwargs: Any) -> JaxMod
         print_summary=False,
         **module_kwargs,
     )
-    trainer = L.Trainer(
-        max_steps=len(batches),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        log_every_n_steps=1,
-    )
+    trainer = quiet_trainer(max_steps=len(batches), log_every_n_steps=1)
     trainer.fit(module, train_dataloaders=DataLoader(_Batches(batches), batch_size=None))
     return module
 

@@ -1,9 +1,9 @@
 import jax
-import lightning as L
 import numpy as np
 
 import jaxcore
 from jaxcore.models.digits import MLP
+from tests.helpers import quiet_trainer
 from torchshell import JaxModule
 from torchshell.data.digits import DigitsDataModule
 
@@ -15,15 +15,7 @@ def test_jax_module_trains_digits_under_real_trainer():
         jaxcore.make_optimizer(lr=1e-2),
         mesh=jaxcore.make_mesh({"data": -1, "model": 1}),
     )
-    trainer = L.Trainer(
-        max_steps=150,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-    )
+    trainer = quiet_trainer(max_steps=150)
     dm = DigitsDataModule(batch_size=64)
     trainer.fit(module, dm)
     assert trainer.global_step == 150
@@ -42,16 +34,7 @@ def _fit(steps_per_call: int, steps: int) -> JaxModule:
         steps_per_call=steps_per_call,
         print_summary=False,
     )
-    trainer = L.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        log_every_n_steps=4,
-    )
+    trainer = quiet_trainer(max_steps=steps, log_every_n_steps=4)
     trainer.fit(module, DigitsDataModule(batch_size=64 * steps_per_call))
     assert trainer.global_step == steps
     return module
@@ -79,16 +62,7 @@ def test_early_stopping_on_a_validation_metric():
         print_summary=False,
     )
     stop = EarlyStopping(monitor="val/accuracy", mode="max", stopping_threshold=0.9)
-    trainer = L.Trainer(
-        max_steps=2000,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[stop],
-        accelerator="cpu",
-        devices=1,
-    )
+    trainer = quiet_trainer(max_steps=2000, callbacks=[stop])
     trainer.fit(module, DigitsDataModule(batch_size=64))
     assert trainer.global_step < 2000 and stop.stopped_epoch > 0
     assert trainer.callback_metrics["val/accuracy"] >= 0.9

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import lightning as L
 import numpy as np
 import optax
 import pytest
@@ -18,6 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import jaxcore
+from tests.helpers import quiet_trainer
 from torchshell import JaxModule
 from torchshell._errors import TorchModelError
 from torchshell.data.digits import DigitsDataModule
@@ -375,15 +375,7 @@ def test_torch_module_trains_under_lightning_and_exports_into_itself():
         jaxcore.make_optimizer("adam", lr=1e-2),
         mesh=jaxcore.make_mesh({"data": -1}),
     )
-    trainer = L.Trainer(
-        max_steps=100,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-    )
+    trainer = quiet_trainer(max_steps=100)
     dm = DigitsDataModule(batch_size=64)
     trainer.fit(module, dm)
     assert trainer.global_step == 100
