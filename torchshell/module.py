@@ -142,7 +142,7 @@ class JaxModule(L.LightningModule):
         self._wait = 0.0  # seconds spent waiting for data since the last log
         self._compute = 0.0  # seconds in the bridge + step dispatch since the last log
         self._batch_end: float | None = None
-        self._pending: tuple[dict[str, jax.Array], int, int] | None = None
+        self._pending: tuple[dict[str, jax.Array], dict[str, float], int] | None = None
         self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     @classmethod
@@ -325,24 +325,34 @@ class JaxModule(L.LightningModule):
             value.copy_to_host_async()
         if self._pending is not None:
             self._log_train(*self._pending)
-        self._pending = (values, rows, self.trainer.global_step)
+        self._pending = (values, self._perf(rows), self.trainer.global_step)
 
-    def _log_train(
-        self, values: dict[str, jax.Array], rows: int, step: int, progress_bar: bool = True
-    ) -> None:
-        """Logs one logging step's metrics (already on their way to the host)."""
-        logs = {k: float(np.asarray(v).reshape(-1)[-1]) for k, v in jax.device_get(values).items()}
-        now = time.perf_counter()
+    def _perf(self, rows: int) -> dict[str, float]:
+        """Host-side throughput since the last logging step, measured now (not when logged)."""
+        now, step = time.perf_counter(), self.trainer.global_step
+        perf = {}
         if self._last_log is not None and step > self._last_log[1]:
             elapsed = now - self._last_log[0]
             rate = (step - self._last_log[1]) / elapsed
-            logs |= {
+            perf = {
                 "perf/steps_per_s": rate,
                 "perf/samples_per_s": rate * rows,
                 "perf/data_wait_fraction": min(self._wait / elapsed, 1.0),
                 "perf/step_fraction": min(self._compute / elapsed, 1.0),
             }
         self._last_log, self._wait, self._compute = (now, step), 0.0, 0.0
+        return perf
+
+    def _log_train(
+        self,
+        values: dict[str, jax.Array],
+        perf: dict[str, float],
+        step: int,
+        progress_bar: bool = True,
+    ) -> None:
+        """Logs one logging step's metrics (already on their way to the host)."""
+        logs = {k: float(np.asarray(v).reshape(-1)[-1]) for k, v in jax.device_get(values).items()}
+        logs |= perf
         logs |= {f"bridge/{k}": v for k, v in self.transfer_stats.as_metrics().items()}
         if self._train_step is not None:
             logs["compile/recompiles"] = float(self._train_step.recompiles)
