@@ -1,6 +1,7 @@
 """Packaging and architecture rules of DESIGN.md."""
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -31,6 +32,14 @@ def test_package_rules():
 
 
 def test_wheel_ships_conf_inside_torchshell(tmp_path: Path):
+    # Build from a copy of the tracked sources: setuptools writes build/ beside the sources.
+    src = tmp_path / "src"
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in files:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
     subprocess.run(
         [
             sys.executable,
@@ -42,7 +51,7 @@ def test_wheel_ships_conf_inside_torchshell(tmp_path: Path):
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         capture_output=True,
