@@ -1,4 +1,4 @@
-"""Smoke test: the real `coreshell train` command on a tiny config into a temporary store."""
+"""The real `coreshell train` command on tiny configs, each into a temporary MLflow store."""
 
 import os
 import subprocess
@@ -6,41 +6,55 @@ import sys
 from pathlib import Path
 
 import mlflow
+import numpy as np
+import torch
 from safetensors.torch import load_file
 
 from torchshell.twins.digits import MLP as TwinMLP
 
 
-def test_coreshell_train_end_to_end(tmp_path: Path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def _train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """Runs `coreshell train` in ``tmp`` (store ``tmp/mlflow.db``, run dir ``tmp/run``)."""
     cmd = [
         sys.executable,
         "-m",
         "torchshell.cli",
         "train",
-        "data=digits",
-        "model=digits",
-        "trainer.max_steps=300",
-        "trainer.log_every_n_steps=10",
         "trainer.enable_progress_bar=false",
-        f"tracking.uri={uri}",
-        "tracking.experiment=smoke",
-        f"hydra.run.dir={tmp_path}/run",
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+        f"hydra.run.dir={tmp}/run",
+        *overrides,
     ]
     proc = subprocess.run(
         cmd,
-        cwd=tmp_path,
+        cwd=tmp,
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _run(tmp: Path, experiment: str) -> tuple[mlflow.MlflowClient, object]:
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, run
+
+
+def test_coreshell_train_end_to_end(tmp_path: Path):
+    proc = _train(
+        tmp_path,
+        "data=digits",
+        "model=digits",
+        "trainer.max_steps=300",
+        "trainer.log_every_n_steps=10",
+        "tracking.experiment=smoke",
+    )
     assert "mlflow ui --backend-store-uri" in proc.stdout
 
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name("smoke")
-    (run,) = client.search_runs([exp.experiment_id])
+    client, run = _run(tmp_path, "smoke")
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(losses) >= 10 and losses[-1] < losses[0] / 3
     assert run.data.metrics["val/accuracy"] > 0.9
@@ -55,57 +69,30 @@ def test_coreshell_train_end_to_end(tmp_path: Path):
 
 def test_run_page_has_what_deployment_needs(tmp_path: Path, monkeypatch):
     """Model summary, HLO, confusion matrix and a servable MLflow model reproduce the run."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchshell.cli",
-        "train",
+    _train(
+        tmp_path,
         "data=digits",
         "model=digits",
         "trainer.max_steps=40",
-        "trainer.enable_progress_bar=false",
-        f"tracking.uri={uri}",
         "ckpt.every_n_steps=0",
         "tracking.experiment=page",
-        f"hydra.run.dir={tmp_path}/run",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("page").experiment_id])
+    )
+    client, run = _run(tmp_path, "page")
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "model_summary.txt", "hlo", "plots", "export"} <= names
     assert run.data.tags["versions.jax"] and run.data.tags["mesh.shape"]
-    assert "compile/flops_per_step" in run.data.metrics or any(
-        k.startswith("compile/") for k in run.data.metrics
-    )
-    import numpy as np
-    import torch
+    assert any(k.startswith("compile/") for k in run.data.metrics)
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
-    x = torch.zeros(3, 64)
-    assert np.asarray(model(x).detach()).shape == (3, 10)
+    assert np.asarray(model(torch.zeros(3, 64)).detach()).shape == (3, 10)
 
 
 def test_train_a_torch_module_from_the_config(tmp_path: Path):
     """model=torch_mlp: the nn.Module is traced by torchax; export is its own state_dict."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchshell.cli",
-        "train",
-        "data=digits",
-        "model=torch_mlp",
-        "trainer.max_steps=60",
-        "trainer.enable_progress_bar=false",
-        "ckpt.every_n_steps=0",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-        f"hydra.run.dir={tmp_path}/run",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _train(
+        tmp_path, "data=digits", "model=torch_mlp", "trainer.max_steps=60", "ckpt.every_n_steps=0"
+    )
     net = TwinMLP()
     net.load_state_dict(load_file(tmp_path / "run" / "export" / "model.safetensors"), strict=True)
     assert "parity max abs diff" in proc.stdout
