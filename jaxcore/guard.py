@@ -12,6 +12,7 @@ not finite does not apply its update (params, optimizer and model state keep the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,9 +50,13 @@ def finite_ok(loss: jax.Array, grads: PyTree, state: Any, nan_policy: str) -> ja
     return ok
 
 
-def guarded(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-    """``new`` where ``ok`` else ``old``, leaf by leaf (a select, no host sync)."""
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+def guarded(ok: jax.Array, update: Callable[[], PyTree], old: PyTree) -> PyTree:
+    """``update()`` where ``ok`` else ``old``, with no host sync.
+
+    A ``lax.cond``: the update runs only on an accepted step and nothing is selected leaf by
+    leaf (on CPU a select per leaf cost ~13% of a small MLP step; the cond costs ~3%).
+    """
+    return jax.lax.cond(ok, update, lambda: old)
 
 
 def check_finite(state: Any) -> None:

@@ -200,10 +200,13 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
         metrics = {"loss": loss, **{name: v / denom for name, v in sums.items()}}
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = (params, opt_state, model_state)
+
+        def update() -> tuple[PyTree, PyTree, PyTree]:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state, model_state
+
         if policy == "none":
+            params, opt_state, model_state = update()
             return dataclasses.replace(
                 state,
                 step=state.step + 1,
@@ -213,7 +216,7 @@ def make_train_step(
             ), metrics
         ok = finite_ok(loss, grads, state, policy)
         params, opt_state, model_state = guarded(
-            ok, new, (state.params, state.opt_state, state.model_state)
+            ok, update, (state.params, state.opt_state, state.model_state)
         )
         bad = (~ok).astype(jnp.int32)
         first = jnp.where((state.nonfinite_step < 0) & ~ok, state.step, state.nonfinite_step)
