@@ -38,6 +38,7 @@ def trainer(max_steps: int, callbacks: list[L.Callback]) -> L.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        limit_val_batches=0,  # training throughput: (d) and (e) have no validation_step
         max_steps=max_steps,
         callbacks=callbacks,
     )
