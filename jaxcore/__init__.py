@@ -11,7 +11,7 @@ from jaxcore._errors import (
 from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_compile_cache
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
 from jaxcore.losses import masked_mean, softmax_cross_entropy
-from jaxcore.mesh import make_mesh
+from jaxcore.mesh import make_mesh, set_cpu_devices
 from jaxcore.model import ModelFns, linen_model
 from jaxcore.optim import current_lr, make_optimizer, make_schedule
 from jaxcore.precision import resolve_dtype
@@ -65,6 +65,7 @@ __all__ = [
     "preset_rules",
     "replicated",
     "resolve_dtype",
+    "set_cpu_devices",
     "set_debug_nans",
     "sharding_rules",
     "softmax_cross_entropy",

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxcore._errors import MeshError
+from jaxcore._errors import ConfigError, MeshError
+
+_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def make_mesh(
@@ -79,3 +83,62 @@ def make_mesh(
         )
     grid = np.asarray(devs, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes))
+
+
+def set_cpu_devices(count: int | str | None) -> int | None:
+    """Splits the host CPU into ``count`` JAX devices; call it before JAX starts.
+
+    XLA runs one CPU device's kernels on a shared thread pool that small kernels use poorly.
+    One device per core, with the batch sharded over them (``mesh=dp``), trains the
+    spoken-digits encoder 1.7x faster on 2 cores. A tiny model (the digits MLP) is faster on
+    one device (``mesh=single``): the per-step gradient all-reduce costs more than it saves.
+
+    Args:
+        count: ``None`` leaves JAX's default (one device, or the XLA flag
+            ``--xla_force_host_platform_device_count``); ``"auto"`` takes one device per core
+            this process may run on unless that flag is set (the flag wins: ``coreshell launch
+            --devices-per-proc`` and test setups keep their count) or JAX has already started;
+            an int asks for exactly that many.
+
+    Returns:
+        The device count set, or ``None`` when JAX's own count stands.
+
+    Raises:
+        ConfigError: ``count`` is neither ``None``, ``"auto"`` nor a positive int, or JAX has
+            already started with a different count.
+
+    Example:
+        >>> set_cpu_devices(None) is None
+        True
+    """
+    if count is None:
+        return None
+    if count == "auto":
+        if _FLAG.search(os.environ.get("XLA_FLAGS", "")):
+            return None
+        try:
+            return _update(len(os.sched_getaffinity(0)))
+        except RuntimeError:  # JAX already runs: its count stands
+            return None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(
+            f"cpu_devices must be null, 'auto' or a positive int, got {count!r}. Fix: set "
+            "mesh.cpu_devices=auto (one device per core), e.g. 2, or null."
+        )
+    try:
+        return _update(count)
+    except RuntimeError as err:
+        have = len(jax.devices("cpu"))
+        if have == count:
+            return count
+        raise ConfigError(
+            f"cpu_devices={count} must be set before JAX starts, but JAX already runs with "
+            f"{have} CPU devices. Fix: set it first thing in the process (the coreshell CLI "
+            "does), or export XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{count} before starting Python."
+        ) from err
+
+
+def _update(count: int) -> int:
+    jax.config.update("jax_num_cpu_devices", count)
+    return count

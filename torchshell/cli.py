@@ -166,6 +166,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
     """
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save INFO lines
+    jaxcore.set_cpu_devices(cfg.mesh.cpu_devices)  # before JAX starts
     distributed.initialize(**cast(dict[str, Any], OmegaConf.to_container(cfg.dist)))
     # after initialize (JAX touches no device before); process 0 logs, prints and exports
     main = distributed.is_main()

@@ -31,6 +31,8 @@ class MeshConfig:
 
     ``preset`` is one of ``jaxcore.PRESETS`` (dp, fsdp, tp, fsdp_tp); ``rules`` are tried
     first, as ``[[regex, [axis_or_null, ...]], ...]`` over '/'-joined param paths.
+    ``cpu_devices`` splits the host CPU into JAX devices before JAX starts
+    (``jaxcore.set_cpu_devices``): ``auto`` (one per core), a count, or null (JAX's default).
     """
 
     axes: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
@@ -39,6 +41,7 @@ class MeshConfig:
     data_axis: str = "data"
     model_axis: str = "model"
     num_devices: int | None = None
+    cpu_devices: Any = None  # "auto", an int or None
 
 
 @dataclass

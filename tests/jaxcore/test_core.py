@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +85,39 @@ def test_make_mesh_num_devices_takes_the_first():
     assert mesh.devices.flat[0] == sorted(jax.devices(), key=lambda d: d.id)[0]
     with pytest.raises(jaxcore.MeshError, match="num_devices"):
         jaxcore.make_mesh({"data": 1}, num_devices=9)
+
+
+_PROBE = "import jax, jaxcore; n = jaxcore.set_cpu_devices({count!r}); print(n, len(jax.devices()))"
+
+
+@pytest.mark.parametrize(
+    ("count", "flags", "expected"),
+    [
+        ("auto", "", f"{len(os.sched_getaffinity(0))} {len(os.sched_getaffinity(0))}"),
+        ("auto", "--xla_force_host_platform_device_count=3", "None 3"),  # the flag wins
+        (3, "--xla_force_host_platform_device_count=5", "3 3"),  # an explicit count wins
+        (None, "", "None 1"),
+    ],
+)
+def test_set_cpu_devices_in_a_fresh_process(count, flags, expected):
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(count=count)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.split("\n")[-2] == expected
+
+
+def test_set_cpu_devices_once_jax_runs():
+    have = len(jax.devices("cpu"))  # 8, from tests/conftest.py
+    assert jaxcore.set_cpu_devices("auto") is None  # the running count stands
+    assert jaxcore.set_cpu_devices(have) == have
+    with pytest.raises(jaxcore.ConfigError, match=f"already runs with {have}.*Fix:"):
+        jaxcore.set_cpu_devices(have + 1)
+    for bad in (0, "all", True, 1.5):
+        with pytest.raises(jaxcore.ConfigError, match="positive int"):
+            jaxcore.set_cpu_devices(bad)
