@@ -276,6 +276,26 @@ def test_disk_full_while_checkpointing_keeps_the_previous_one(
     assert torch.load(previous / "lightning.pt", weights_only=True) == {"step": 10}
 
 
+def test_a_kill_while_deleting_an_old_checkpoint_leaves_none_half_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    state = _state()
+    io = OrbaxCheckpointIO(lambda: state, lambda _: None)
+    old, new = tmp_path / "epoch=0-step=10.ckpt", tmp_path / "epoch=0-step=20.ckpt"
+    for i, path in enumerate((old, new)):
+        io.save_checkpoint({"step": i}, path)
+
+    def killed_midway(path: Path, **kwargs: Any) -> None:
+        (Path(path) / "manifest.json").unlink()  # the deletion got this far
+        raise KeyboardInterrupt  # ... then the process died
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        io.remove_checkpoint(new)  # Lightning removing a checkpoint past ckpt.keep
+    assert not new.exists()  # hidden before the deletion started, not left half there
+    assert ckpt.latest_checkpoint(tmp_path) == old
+
+
 def test_disk_full_while_checkpointing_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

@@ -138,6 +138,24 @@ def verify(directory: Path) -> str | None:
     return f"checksum mismatch in {bad}" if bad else None
 
 
+def _hide(path: Path) -> Path | None:
+    """Renames ``path`` to a hidden name no reader picks (one atomic step); ``None`` if absent."""
+    trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        path.replace(trash)
+    except FileNotFoundError:
+        return None
+    return trash
+
+
+def _discard(path: Path) -> None:
+    """Deletes a checkpoint so that a kill at any point leaves it whole or out of sight: the
+    rename hides it first (a bare ``rmtree`` killed midway leaves half a checkpoint)."""
+    trash = _hide(path)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def latest_checkpoint(directory: str | Path, *, log: Callable[[str], None] = print) -> Path | None:
     """The newest intact checkpoint under ``directory``; corrupt ones are reported and skipped.
 
@@ -227,13 +245,10 @@ class OrbaxCheckpointIO(CheckpointIO):
                 torch.save(checkpoint, tmp / "lightning.pt")
                 digests = {str(p.relative_to(tmp)): _digest(p) for p in _files(tmp)}
                 (tmp / MANIFEST).write_text(json.dumps(digests, indent=1))
-                if final.exists():
-                    trash = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-                    final.replace(trash)
-                    tmp.replace(final)
+                trash = _hide(final)
+                tmp.replace(final)
+                if trash is not None:
                     shutil.rmtree(trash, ignore_errors=True)
-                else:
-                    tmp.replace(final)
             barrier(f"coreshell-ckpt-done-{final.name}")
         finally:
             if main and tmp.exists():
@@ -255,7 +270,7 @@ class OrbaxCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         if is_main():  # every process is Lightning's "global zero" of its own run
-            shutil.rmtree(Path(path), ignore_errors=True)
+            _discard(Path(path))
 
 
 class CheckpointOnSigterm(Callback):
