@@ -22,6 +22,8 @@ import numpy as np
 import optax
 import torch
 from flax import linen as fnn
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 LR = 1e-3
 Path = Callable[[int], tuple[float, int]]
@@ -99,9 +101,14 @@ def init_params(model: fnn.Module, inputs: Sequence[str], batch: dict[str, Any])
 
 
 def pure_jax_path(
-    model: fnn.Module, inputs: Sequence[str], batches: list[dict[str, np.ndarray]], k: int = 1
+    model: fnn.Module,
+    inputs: Sequence[str],
+    batches: list[dict[str, np.ndarray]],
+    k: int = 1,
+    mesh: Mesh | None = None,
 ) -> Path:
-    """(b): the jitted step over the materialized batches, put on the device once."""
+    """(b): the jitted step over the materialized batches, put on the device once; with a
+    ``mesh``, params replicated and batch rows sharded over its ``data`` axis."""
     tx = optax.adam(LR)
     params = init_params(model, inputs, batches[0])
     opt_state = tx.init(params)
@@ -111,7 +118,12 @@ def pure_jax_path(
             {name: np.stack([b[name] for b in batches[i * k : (i + 1) * k]]) for name in batches[0]}
             for i in range(n)
         ]
-    on_device = jax.device_put(batches)
+    if mesh is None:
+        on_device = jax.device_put(batches)
+    else:
+        rows = NamedSharding(mesh, P("data") if k == 1 else P(None, "data"))
+        on_device = jax.device_put(batches, rows)
+        params, opt_state = jax.device_put((params, opt_state), NamedSharding(mesh, P()))
     step = handwritten_step(model, inputs, tx, k)
     holder = {"p": params, "o": opt_state}
 

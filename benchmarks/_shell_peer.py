@@ -30,8 +30,10 @@ def supports_steps_per_call() -> bool:
     return "steps_per_call" in inspect.signature(JaxModule.__init__).parameters
 
 
-def make_module(model: Any, inputs: tuple[str, ...], k: int) -> JaxModule:
+def make_module(model: Any, inputs: tuple[str, ...], k: int, mesh: Any = None) -> JaxModule:
     kwargs: dict[str, Any] = {"steps_per_call": k} if k > 1 else {}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     return JaxModule(
         model,
         jaxcore.softmax_cross_entropy,

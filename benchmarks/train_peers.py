@@ -4,9 +4,12 @@ For each recipe (the digits MLP, overhead-dominated; the spoken-digits encoder,
 compute-dominated), with the same model, data and batch size (64 rows per optimizer step):
 
 - (a) coreshell: torch DataLoader -> Lightning -> ``JaxModule`` (bridge, jitted jaxcore step,
-  ``steps_per_call=K``);
+  ``steps_per_call=K``, batch sharded over the recipe's CPU devices: one per core for the
+  encoder, one for the MLP);
 - (b) a pure JAX/optax loop over the same batches already on the device (one jitted step
-  per batch), and (b, K) the same step ``lax.scan``-ned over K batches per call;
+  per batch, one device: what a JAX user writes), and "(b) like (a)": the same step run as
+  (a) runs it (``lax.scan`` over K batches per call, batch over (a)'s devices), the ceiling
+  of (a)'s own execution;
 - (c) Keras 3 on the JAX backend, ``fit`` on the same torch DataLoader (through numpy);
 - (d) PyTorch Lightning training the torch twin (torch Adam);
 - (e) Lightning manual optimization around a jitted JAX step with a numpy hand-over.
@@ -49,6 +52,10 @@ def _helper(name: str) -> Any:
 import jax  # noqa: E402
 import torch  # noqa: E402
 
+import jaxcore  # noqa: E402
+
+jaxcore.set_cpu_devices("auto")  # before JAX starts; the peers use the first device only
+
 _stats = _helper("_stats")
 _keras_peer = _helper("_keras_peer")
 _peers = _helper("_peers")
@@ -67,9 +74,16 @@ DEFAULT_STEPS = {"mlp": 480, "encoder": 12}
 # step than one call per step (XLA CPU runs the loop body without its fast paths), so the
 # compute-dominated encoder gets K=1; the overhead-dominated MLP needs K>1.
 DEFAULT_K = {"mlp": 8, "encoder": 1}
+# (a)'s devices per recipe (0: all, one per core; ``jaxcore.set_cpu_devices("auto")`` below):
+# the encoder's step is 1.7x faster data-parallel over one device per core than on one device
+# (XLA's intra-op pool uses 2 cores poorly on its small kernels); the MLP's is 2.3x slower
+# (a gradient all-reduce per step costs more than its ~0.4 ms of math).
+DEFAULT_DEVICES = {"mlp": 1, "encoder": 0}
 
 
-def bench_recipe(key: str, rounds: int, steps: int, k: int, split_repeats: int) -> list[Row]:
+def bench_recipe(
+    key: str, rounds: int, steps: int, k: int, devices: int, split_repeats: int
+) -> list[Row]:
     recipe = RECIPES[key]()
     bench = f"peers/{recipe.name}"
     k = k if _shell.supports_steps_per_call() else 1
@@ -77,7 +91,9 @@ def bench_recipe(key: str, rounds: int, steps: int, k: int, split_repeats: int) 
     warmup = 2 * k  # optimizer steps; the first call compiles
     inputs = recipe.inputs
     batches = materialize(recipe.datamodule(BATCH))
-    module = _shell.make_module(recipe.flax(), inputs, k)
+    mesh = jaxcore.make_mesh({"data": -1}, num_devices=devices or None)
+    module = _shell.make_module(recipe.flax(), inputs, k, mesh)
+    like_a = f"(b) pure JAX like (a): K={k}, {mesh.size} device(s)"
     shell_dm = recipe.datamodule(BATCH * k)
 
     keras_dm = recipe.datamodule(BATCH)
@@ -86,9 +102,9 @@ def bench_recipe(key: str, rounds: int, steps: int, k: int, split_repeats: int) 
     keras_loader.collate_fn = _keras_peer.TupleCollate(inputs)
 
     paths = {
-        f"{A}, K={k}": _shell.shell_path(module, shell_dm, warmup),
+        f"{A}, K={k}, {mesh.size} device(s)": _shell.shell_path(module, shell_dm, warmup),
         "(b) pure JAX": _peers.pure_jax_path(recipe.flax(), inputs, batches),
-        f"(b) pure JAX, K={k} per call": _peers.pure_jax_path(recipe.flax(), inputs, batches, k),
+        like_a: _peers.pure_jax_path(recipe.flax(), inputs, batches, k, mesh),
         "(c) Keras 3 (JAX)": _keras_peer.keras_path(recipe.keras(), keras_loader, warmup=2),
         "(d) PyTorch Lightning": _peers.lightning_twin_path(
             recipe.twin(), inputs, recipe.datamodule(BATCH), warmup=2
@@ -98,7 +114,7 @@ def bench_recipe(key: str, rounds: int, steps: int, k: int, split_repeats: int) 
         ),
     }
     rates = _stats.rotate(paths, rounds, steps)
-    a_name = f"{A}, K={k}"
+    a_name = f"{A}, K={k}, {mesh.size} device(s)"
     a = rates[a_name]
     a_med = statistics.median(a)
     rows: list[Row] = []
@@ -123,7 +139,7 @@ def bench_recipe(key: str, rounds: int, steps: int, k: int, split_repeats: int) 
         rows.append(
             _stats.row(
                 bench,
-                f"a/{name.split(')')[0].lstrip('(')}{', K' if 'K=' in name else ''}",
+                f"a/{name.split(')')[0].lstrip('(')}{' like (a)' if name == like_a else ''}",
                 "ratio per round",
                 per_round,
                 note=f"target >= {target}" if target else "",
@@ -152,6 +168,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=0, help="steps per round (0: per recipe)")
     parser.add_argument("--k", type=int, default=0, help="coreshell steps_per_call (0: per recipe)")
+    parser.add_argument(
+        "--devices", type=int, default=-1, help="coreshell's CPU devices (0: all; -1: per recipe)"
+    )
     parser.add_argument("--split-repeats", type=int, default=5)
     parser.add_argument(
         "--torch-threads",
@@ -174,7 +193,8 @@ def main() -> None:
     for key in args.models.split(","):
         steps = args.steps or (8 if args.tiny else DEFAULT_STEPS[key])
         k = args.k or (min(DEFAULT_K[key], 2) if args.tiny else DEFAULT_K[key])
-        rows += bench_recipe(key, args.rounds, steps, k, args.split_repeats)
+        devices = DEFAULT_DEVICES[key] if args.devices < 0 else args.devices
+        rows += bench_recipe(key, args.rounds, steps, k, devices, args.split_repeats)
     meta: dict[str, Any] = _stats.machine()
     meta["jax_devices"] = [str(d) for d in jax.devices()]
     meta["torch_threads"] = args.torch_threads
