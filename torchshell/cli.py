@@ -171,6 +171,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # after initialize (JAX touches no device before); process 0 logs, prints and exports
     main = distributed.is_main()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if main:  # the run directory is complete for `coreshell export RUN_DIR`
+        out_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out_dir / "config.yaml")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.step.compile_cache_dir:
         jaxcore.enable_compile_cache(cfg.step.compile_cache_dir)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from torchshell.export import export_command
 from torchshell.twins.digits import MLP as TwinMLP
 
 
@@ -65,6 +66,9 @@ def test_coreshell_train_end_to_end(tmp_path: Path):
     twin = TwinMLP()
     twin.load_state_dict(load_file(Path(local) / "model.safetensors"), strict=True)
     assert not (tmp_path / "outputs").exists()
+    # the run directory itself is what `coreshell export RUN_DIR` (README) reads
+    export_command([str(tmp_path / "run"), "--format", "torch"])
+    assert (tmp_path / "run" / "export" / "model.pt").is_file()
 
 
 def test_run_page_has_what_deployment_needs(tmp_path: Path, monkeypatch):

@@ -107,3 +107,31 @@ def test_bad_sources_exit_with_a_clear_message(tmp_path: Path, monkeypatch, caps
     with pytest.raises(SystemExit) as exit_:
         export_command([str(run), "--format", "tflite"])
     assert exit_.value.code == 2  # argparse names the allowed formats
+
+
+def test_onnx_export_of_the_two_input_speech_twin_has_a_dynamic_batch(tmp_path: Path):
+    """The flagship twin (features + frame_mask): batch 1 included, against the Flax model."""
+    from jaxcore.models.spoken_digits import SpokenDigitsEncoder
+    from torchshell.twins.spoken_digits import SpokenDigitsEncoder as Twin
+
+    model_cfg = OmegaConf.load(CONF.with_name("spoken_digits.yaml"))
+    cfg = OmegaConf.create({"model": model_cfg, "data": {"n_mels": 40}})
+    cfg.model.flax.width, cfg.model.flax.depth, cfg.model.flax.heads = 16, 1, 2  # small
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(cfg, run / "config.yaml")
+    model = SpokenDigitsEncoder(width=16, depth=1, heads=2)
+    twin = Twin(width=16, depth=1, heads=2)
+    features, frame_mask = (a.numpy() for a in twin.example_input(3))
+    params = model.init(jax.random.key(1), features, frame_mask)["params"]
+    export_twin(params, twin, run / "export" / "model.safetensors")
+
+    out = tmp_path / "speech.onnx"
+    export_command([str(run), "--format", "onnx", "--out", str(out)])
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for rows in (1, 3):
+        names = [i.name for i in session.get_inputs()]
+        feeds = dict(zip(names, (features[:rows], frame_mask[:rows]), strict=True))
+        (got,) = session.run(None, feeds)
+        want = np.asarray(model.apply({"params": params}, features[:rows], frame_mask[:rows]))
+        assert got.shape == (rows, 10) and np.abs(got - want).max() < 1e-5
