@@ -58,6 +58,21 @@ def child_env(base: dict[str, str], devices_per_proc: int | None) -> dict[str, s
     return env
 
 
+def devices_per_child(base: dict[str, str], nproc: int, requested: int | None) -> int | None:
+    """CPU devices for each child: ``requested``; else ``None`` when ``base``'s XLA_FLAGS
+    already sets a count; else this machine's cores shared out (``cores // nproc``, at least
+    1), so that N children do not each take every core (``mesh.cpu_devices=auto``).
+
+    Example:
+        >>> devices_per_child({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, 2, None)
+        >>> devices_per_child({}, 2, 3)
+        3
+    """
+    if requested is not None or _COUNT_FLAG.search(base.get("XLA_FLAGS", "")):
+        return requested
+    return max(1, len(os.sched_getaffinity(0)) // nproc)
+
+
 def child_commands(
     train_args: Sequence[str], nproc: int, port: int, *, run_dir: str | None = None
 ) -> list[list[str]]:
@@ -196,7 +211,8 @@ def launch(
     Args:
         train_args: ``["train", OVERRIDES...]``.
         nproc: processes to start (ranks 0..nproc-1).
-        devices_per_proc: CPU devices per process; ``None`` keeps the environment's.
+        devices_per_proc: CPU devices per process; ``None`` keeps the count XLA_FLAGS
+            sets, or else shares the cores out (:func:`devices_per_child`).
         port: the coordinator's port on 127.0.0.1 (default: a free one).
         out: where the prefixed output goes (default: ``sys.stdout``).
 
@@ -211,7 +227,8 @@ def launch(
         raise ConfigError(f"--devices-per-proc must be >= 1, got {devices_per_proc}.")
     sink = sys.stdout if out is None else out
     cmds = child_commands(train_args, nproc, free_port() if port is None else port)
-    env = child_env(dict(os.environ), devices_per_proc)
+    base = dict(os.environ)
+    env = child_env(base, devices_per_child(base, nproc, devices_per_proc))
     lock = threading.Lock()
     group = _Group([])
     failed: tuple[int, int] | None = None

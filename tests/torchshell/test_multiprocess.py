@@ -25,7 +25,7 @@ from torchshell import cli
 from torchshell._errors import ConfigError
 from torchshell.checkpoint import restore_state, verify
 from torchshell.config import register_configs
-from torchshell.launch import child_commands, child_env, first_failure
+from torchshell.launch import child_commands, child_env, devices_per_child, first_failure
 
 STEPS = 20
 COMMON = [
@@ -243,6 +243,11 @@ def test_launch_commands_and_environment():
     assert cmds[0][-1] == "hydra.run.dir=out" and cmds[1][-1] == "hydra.output_subdir=null"
     env = child_env({"XLA_FLAGS": "--xla_dump_to=/x --xla_force_host_platform_device_count=8"}, 4)
     assert env["XLA_FLAGS"] == "--xla_dump_to=/x --xla_force_host_platform_device_count=4"
+    # without --devices-per-proc: the environment's count, or the cores shared out
+    cores = len(os.sched_getaffinity(0))
+    assert devices_per_child(env, 2, None) is None and devices_per_child({}, 2, 3) == 3
+    assert devices_per_child({}, 2, None) == max(1, cores // 2)
+    assert devices_per_child({}, 4 * cores, None) == 1
     # the rank that died is blamed, not the peer JAX aborted because of it
     assert first_failure([-signal.SIGABRT, -signal.SIGKILL]) == (1, -signal.SIGKILL)
     assert first_failure([None, 1, 2]) == (1, 1) and first_failure([0, None]) is None
