@@ -1,6 +1,5 @@
 """The real `coreshell train` command on tiny configs, each into a temporary MLflow store."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import run_ok
 from torchshell.export import export_command
 from torchshell.twins.digits import MLP as TwinMLP
 
@@ -26,16 +26,7 @@ def _train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
         f"hydra.run.dir={tmp}/run",
         *overrides,
     ]
-    proc = subprocess.run(
-        cmd,
-        cwd=tmp,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    return run_ok(cmd, tmp)
 
 
 def _run(tmp: Path, experiment: str) -> tuple[mlflow.MlflowClient, object]:

@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from safetensors.torch import load_file
 
+from tests.helpers import quiet_env
 from torchshell import cli
 from torchshell._errors import ConfigError
 from torchshell.checkpoint import restore_state, verify
@@ -38,10 +39,6 @@ COMMON = [
     "test_after_fit=false",
     "step.dump_hlo=false",
 ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
 def _compose(overrides: list[str], run_dir: Path):
@@ -75,7 +72,7 @@ def _launch(tmp_path: Path, nproc: int, devices: int, overrides: list[str]) -> s
     cmd = [sys.executable, "-m", "torchshell.cli", "launch", "--nproc", str(nproc)]
     cmd += ["--devices-per-proc", str(devices), "--", "train", *overrides]
     proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=_env()
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=quiet_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[rank 1] " in proc.stdout and "[rank 0] " in proc.stdout
@@ -203,7 +200,7 @@ def test_killed_process_stops_the_run_with_a_clear_message(tmp_path: Path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=quiet_env(),
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import mlflow
 import pytest
 from safetensors.torch import load_file
 
+from tests.helpers import quiet_env, run_ok
 from torchshell.checkpoint import latest_checkpoint, verify
 
 STEPS = 120
@@ -45,19 +45,6 @@ def _cmd(tmp: Path, name: str, *extra: str) -> list[str]:
     ]
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        cmd,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
 def _losses(tmp: Path, experiment: str) -> dict[int, float]:
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
     exp = client.get_experiment_by_name(experiment)
@@ -77,7 +64,7 @@ def _start_and_wait_for_checkpoint(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env=quiet_env(),
     )
     deadline = time.monotonic() + 300
     while latest_checkpoint(ckpt_dir, log=lambda _: None) is None:
@@ -89,7 +76,7 @@ def _start_and_wait_for_checkpoint(
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
-    _run(_cmd(tmp_path, "full", f"ckpt.dir={tmp_path}/ck_full"), tmp_path)
+    run_ok(_cmd(tmp_path, "full", f"ckpt.dir={tmp_path}/ck_full"), tmp_path)
     ckpt = tmp_path / "ck_kill"
     proc = _start_and_wait_for_checkpoint(
         _cmd(tmp_path, "killed", f"ckpt.dir={ckpt}"), tmp_path, ckpt, random.uniform(0.0, 1.0)
@@ -99,7 +86,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
     assert proc.returncode == -signal.SIGKILL
     resumed_from = latest_checkpoint(ckpt)
     assert resumed_from is not None
-    _run(_cmd(tmp_path, "resumed", f"ckpt.dir={ckpt}", "resume=last"), tmp_path)
+    run_ok(_cmd(tmp_path, "resumed", f"ckpt.dir={ckpt}", "resume=last"), tmp_path)
 
     full = load_file(tmp_path / "full" / "export" / "model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
@@ -130,7 +117,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path):
 
 
 def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path):
-    _run(_cmd(tmp_path, "damage", f"ckpt.dir={tmp_path}/ck", "trainer.max_steps=60"), tmp_path)
+    run_ok(_cmd(tmp_path, "damage", f"ckpt.dir={tmp_path}/ck", "trainer.max_steps=60"), tmp_path)
     newest = latest_checkpoint(tmp_path / "ck")
     assert newest is not None and newest.name.endswith("step=60.ckpt")
     (newest / "lightning.pt").write_bytes(b"torn")
@@ -182,7 +169,7 @@ def test_multirun_gives_one_mlflow_run_per_job(tmp_path: Path):
         "tracking.experiment=sweep",
         f"hydra.sweep.dir={tmp_path}/multirun",
     ]
-    _run(cmd, tmp_path)
+    run_ok(cmd, tmp_path)
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
     assert sorted(r.data.params["optim.lr"] for r in runs) == ["0.001", "0.003"]
