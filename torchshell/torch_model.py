@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import re
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,7 +41,7 @@ from torchshell._errors import TorchModelError
 PyTree = Any
 Batch = Mapping[str, Any]
 
-__all__ = ["params_to_state_dict", "torch_model_fns"]
+__all__ = ["TorchTracer", "params_to_state_dict", "torch_model_fns"]
 
 _BATCH_NORM_OPS = (
     "native_batch_norm.default",
@@ -157,6 +157,128 @@ def _lowering_error(err: BaseException, names: Mapping[int, str], train: bool) -
     )
 
 
+class _Bound(nn.Module):
+    """Calls ``fn`` with ``module`` registered as its only child, so
+    ``torch.func.functional_call`` can swap the module's weights for any method, not just
+    ``forward`` (names gain the ``m.`` prefix)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.m = module
+        self.fn: Callable[..., Any] | None = None  # None: the module's own forward
+
+    def forward(self, *args: Any) -> Any:
+        return (self.m if self.fn is None else self.fn)(*args)
+
+
+class TorchTracer:
+    """A torch module's weights, extracted once, and calls into it traced under torchax.
+
+    Trainable parameters become ``params0``; persistent buffers and frozen parameters
+    ``state0``; non-persistent buffers are constants. :meth:`call` runs any function of the
+    module (its ``forward``, or e.g. a LightningModule's ``training_step``) with the weights
+    swapped for JAX values, and returns the outputs as JAX arrays with the new model state.
+
+    Args:
+        module: the team's ``nn.Module``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, torch
+        >>> tracer = TorchTracer(torch.nn.Linear(3, 2))
+        >>> out, _ = tracer.call(lambda x: tracer.module(x).sum(1), tracer.params0,
+        ...                      tracer.state0, [jnp.ones((4, 3))], jax.random.key(0), True)
+        >>> out.shape
+        (4,)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TorchModelError(
+                f"coreshell expects a torch.nn.Module, got {type(module).__name__}. Fix: pass "
+                "the module instance (e.g. MyNet(**kwargs)), not its class or a function."
+            )
+        self.module = module
+        self.env = _environment()
+        persistent = set(module.state_dict().keys())
+        named = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+        self.params0 = {k: _to_jax(v) for k, v in module.named_parameters() if v.requires_grad}
+        self.state0 = {
+            k: _to_jax(v) for k, v in named.items() if k in persistent and k not in self.params0
+        }
+        self.consts = {k: _to_jax(v) for k, v in named.items() if k not in persistent}
+        self.names = {id(m): name for name, m in module.named_modules()}
+        self._bound = _Bound(module)
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        params: PyTree,
+        model_state: PyTree,
+        args: Sequence[Any],
+        rng: jax.Array,
+        train: bool,
+    ) -> tuple[PyTree, PyTree]:
+        """``fn(*args)`` with the module's weights swapped for ``params``/``model_state``.
+
+        ``args`` are JAX values (any pytree); ``fn`` sees them as torch tensors on the
+        ``jax`` device. Returns ``(outputs as JAX, new model state)``; in eval mode the
+        model state comes back unchanged.
+        """
+        with contextlib.ExitStack() as stack:
+            # Lightning evaluates under torch.inference_mode, which skips the decompositions
+            # torchax relies on (aten::dropout has no lowering): trace the same way always.
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.no_grad())
+            return self._traced(fn, params, model_state, list(args), rng, train)
+
+    def _traced(
+        self,
+        fn: Callable[..., Any],
+        params: PyTree,
+        model_state: PyTree,
+        args: list[Any],
+        rng: jax.Array,
+        train: bool,
+    ) -> tuple[PyTree, PyTree]:
+        env, module = self.env, self.module
+        p, s, c, a = env.j2t_iso((dict(params), dict(model_state), self.consts, args))
+        weights = {f"m.{k}": v for k, v in {**c, **s, **p}.items()}
+        object.__setattr__(self._bound, "fn", None if fn is module else fn)
+        with _mode(module, train), env, env.override_property(prng=rng), torch.device("jax"):
+            try:
+                out = torch.func.functional_call(
+                    self._bound, weights, tuple(a), tie_weights=True, strict=False
+                )
+            except Exception as err:  # named below; anything else propagates unchanged
+                if (
+                    type(err).__name__ == "OperatorNotFound"
+                    or isinstance(err, _DATA_DEPENDENT)
+                    or (isinstance(err, AssertionError) and "mixed math" in str(err))
+                ):
+                    raise _lowering_error(err, self.names, train) from err
+                raise
+            finally:
+                object.__setattr__(self._bound, "fn", None)
+        outputs = env.t2j_iso(out)
+        if not train:
+            return outputs, model_state
+        new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}
+        return outputs, new_state
+
+    def check(self, fn: Callable[[PyTree, bool], Any], batch: PyTree) -> None:
+        """Traces ``fn(batch, train)`` abstractly in train and eval mode (shapes only)."""
+        spec = jax.tree.map(_spec, batch)
+        for train in (True, False):
+            jax.eval_shape(lambda b, t=train: fn(b, t), spec)
+
+
+def _spec(v: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(v, torch.Tensor):
+        dtype = _to_jax(torch.empty(0, dtype=v.dtype)).dtype
+        return jax.ShapeDtypeStruct(tuple(v.shape), dtype)
+    return jax.ShapeDtypeStruct(v.shape, v.dtype)
+
+
 def torch_model_fns(
     module: nn.Module,
     inputs: Sequence[str] = ("x",),
@@ -197,69 +319,22 @@ def torch_model_fns(
         >>> fns.apply(params, state, batch, jax.random.key(1), False)[0].shape
         (2, 10)
     """
-    if not isinstance(module, nn.Module):
-        raise TorchModelError(
-            f"torch_model_fns expects a torch.nn.Module, got {type(module).__name__}. "
-            "Fix: pass the module instance (e.g. MyNet(**kwargs)), not its class or a function."
-        )
+    tracer = TorchTracer(module)
     keys = tuple(inputs)
-    env = _environment()
-    persistent = set(module.state_dict().keys())
-    named = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
-    params0 = {k: _to_jax(v) for k, v in module.named_parameters() if v.requires_grad}
-    state0 = {k: _to_jax(v) for k, v in named.items() if k in persistent and k not in params0}
-    consts = {k: _to_jax(v) for k, v in named.items() if k not in persistent}
-    names = {id(m): name for name, m in module.named_modules()}
 
     def forward(
         params: PyTree, model_state: PyTree, batch: Batch, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
-        args = _inputs(batch, keys)
-        with contextlib.ExitStack() as stack:
-            # Lightning evaluates under torch.inference_mode, which skips the decompositions
-            # torchax relies on (aten::dropout has no lowering): trace the same way always.
-            stack.enter_context(torch.inference_mode(False))
-            stack.enter_context(torch.no_grad())
-            return _traced(params, model_state, args, rng, train)
-
-    def _traced(
-        params: PyTree, model_state: PyTree, args: list[Any], rng: jax.Array, train: bool
-    ) -> tuple[PyTree, PyTree]:
-        p, s, c, a = env.j2t_iso((dict(params), dict(model_state), consts, args))
-        with _mode(module, train), env, env.override_property(prng=rng), torch.device("jax"):
-            try:
-                out = torch.func.functional_call(
-                    module, {**c, **s, **p}, tuple(a), tie_weights=True, strict=False
-                )
-            except Exception as err:  # named below; anything else propagates unchanged
-                if (
-                    type(err).__name__ == "OperatorNotFound"
-                    or isinstance(err, _DATA_DEPENDENT)
-                    or (isinstance(err, AssertionError) and "mixed math" in str(err))
-                ):
-                    raise _lowering_error(err, names, train) from err
-                raise
-        outputs = env.t2j_iso(out)
-        if not train:
-            return outputs, model_state
-        new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}
-        return outputs, new_state
+        return tracer.call(module, params, model_state, _inputs(batch, keys), rng, train)
 
     def check(batch: Batch) -> None:
-        spec = {
-            k: jax.ShapeDtypeStruct(tuple(v.shape), _to_jax(torch.empty(0, dtype=v.dtype)).dtype)
-            if isinstance(v, torch.Tensor)
-            else jax.ShapeDtypeStruct(v.shape, v.dtype)
-            for k, v in batch.items()
-        }
-        for train in (True, False):
-            jax.eval_shape(
-                lambda b, t=train: forward(params0, state0, b, jax.random.key(0), t), spec
-            )
+        tracer.check(
+            lambda b, t: forward(tracer.params0, tracer.state0, b, jax.random.key(0), t), batch
+        )
 
     def init(rng: jax.Array, batch: Batch) -> tuple[PyTree, PyTree]:
         check(batch)
-        return dict(params0), dict(state0)
+        return dict(tracer.params0), dict(tracer.state0)
 
     if example is not None:
         check(example)
