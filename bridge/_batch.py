@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from bridge._dlpack import copied_shard_bytes, host_view, prepare
+from bridge._convert import as_numpy
+from bridge._dlpack import copied_shard_bytes, prepare
 from bridge._errors import TransferError
 from bridge._stats import TransferStats
 from bridge._tree import PyTree, leaves, map_leaves
@@ -30,6 +31,16 @@ def _leading(tree: PyTree) -> int:
             "fields of equal length."
         )
     return next(iter(sizes.values()))
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= n`` (e.g. rows per device).
+
+    Example:
+        >>> round_up(65, 8), round_up(64, 8), round_up(0, 8)
+        (72, 64, 0)
+    """
+    return -(-n // multiple) * multiple
 
 
 def pad_batch(batch: Mapping[str, Any], pad_to: int) -> dict[str, Any]:
@@ -163,7 +174,7 @@ def _place_sharded(
     copied_names: set[str],
 ) -> list[jax.Array]:
     shardings = [_leaf_sharding(sharding, t.dim()) for _, t in named]
-    local = [host_view(t) if t.is_cpu else jax.dlpack.from_dlpack(t) for _, t in named]
+    local = [as_numpy(t) if t.is_cpu else jax.dlpack.from_dlpack(t) for _, t in named]
     # One batched call: device_put with one process; with several, each process's rows are
     # assembled into one global array.
     out: list[jax.Array] = jax.make_array_from_process_local_data(shardings, local)
@@ -261,11 +272,11 @@ def to_jax(
     blocks = _local_row_blocks(sharding) if sharding is not None else 1
     rows = None
     if pad_to is not None:
-        rows = -(-pad_to // blocks) * blocks
+        rows = round_up(pad_to, blocks)
     elif blocks > 1:
         sizes = {t.shape[0] for _, t in leaves(tree, _is_tensor) if t.dim()}
         if len(sizes) == 1 and (n := sizes.pop()) % blocks:
-            rows = -(-n // blocks) * blocks
+            rows = round_up(n, blocks)
     if rows is not None:
         before = {name: t.data_ptr() for name, t in leaves(tree, _is_tensor)}
         tree = pad_batch(tree, rows)

@@ -4,7 +4,7 @@ A CPU tensor crosses zero-copy when it is contiguous, 64-byte aligned, not pinne
 require grad, and has a dtype JAX holds. Every other case costs exactly one counted copy
 (or, with ``strict=True``, a :class:`TransferError` naming the field and the fix). Values
 never change silently: narrowing int64/uint64/float64/complex128 under x64-off checks the
-range first.
+range first (``bridge._convert.narrow``, the bridge's one narrowing).
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 
+from bridge._convert import NARROW, as_torch, narrow
 from bridge._errors import TransferError
 from bridge._stats import TransferStats
 from bridge._tree import PyTree, map_leaves
@@ -38,13 +37,6 @@ SUPPORTED = frozenset(
         torch.complex64,
     }
 )
-# 64-bit dtypes JAX holds only with x64 on, and the 32-bit type they narrow to otherwise.
-NARROW = {
-    torch.int64: torch.int32,
-    torch.uint64: torch.uint32,
-    torch.float64: torch.float32,
-    torch.complex128: torch.complex64,
-}
 _FIX = (
     "Fix: produce a contiguous, unpinned, 64-byte-aligned tensor of a dtype JAX holds in the "
     "Dataset or collate (e.g. `.contiguous()`, `.to(torch.int32)`, `.detach()`), or pass "
@@ -58,38 +50,6 @@ def _describe(t: torch.Tensor) -> str:
         f"{t.dtype}, shape {tuple(t.shape)}, strides {tuple(t.stride())}, "
         f"data pointer {offset} bytes past a {ALIGN}-byte boundary"
     )
-
-
-def _narrow(name: str, t: torch.Tensor) -> torch.Tensor:
-    """64-bit -> 32-bit, refusing values the narrow type cannot hold."""
-    target = NARROW[t.dtype]
-    if t.dtype in (torch.int64, torch.uint64):
-        if t.numel():
-            host = t.numpy(force=True)
-            lo, hi = int(host.min()), int(host.max())
-            info = np.iinfo(np.int32 if target == torch.int32 else np.uint32)
-            if lo < info.min or hi > info.max:
-                raise TransferError(
-                    f"Field {name!r}: {t.dtype} values in [{lo}, {hi}] do not fit "
-                    f"{str(target).removeprefix('torch.')} [{info.min}, {info.max}], and JAX "
-                    "runs with x64 off, so they would be truncated. Fix: store the field as "
-                    "int32 in the Dataset (or rescale it), or enable jax_enable_x64."
-                )
-        if target == torch.uint32:  # torch has no uint64 -> uint32 cast kernel on every build
-            out = torch.empty(t.shape, dtype=torch.uint32)
-            out.numpy()[...] = t.numpy(force=True)
-            return out
-        return t.to(target, memory_format=torch.contiguous_format)
-    out = t.to(target, memory_format=torch.contiguous_format)
-    if t.numel():
-        finite = torch.isfinite(t)
-        if bool(torch.any(torch.isinf(out) & finite)):
-            raise TransferError(
-                f"Field {name!r}: {t.dtype} values overflow {target} (JAX runs with x64 off), "
-                "so they would become inf. Fix: rescale the field or store it as float32, or "
-                "enable jax_enable_x64."
-            )
-    return out
 
 
 def prepare(
@@ -115,8 +75,8 @@ def _policy_copy(
     name: str, t: torch.Tensor, *, strict: bool, stats: TransferStats | None
 ) -> torch.Tensor:
     reasons = []
-    narrow = t.dtype in NARROW and not jax.config.read("jax_enable_x64")
-    if narrow:
+    narrowing = t.dtype in NARROW and not jax.config.read("jax_enable_x64")
+    if narrowing:
         target = str(NARROW[t.dtype]).removeprefix("torch.")
         reasons.append(f"{t.dtype} narrowed to {target} (JAX runs with x64 off)")
     elif t.dtype not in SUPPORTED and t.dtype not in NARROW:
@@ -142,20 +102,13 @@ def _policy_copy(
             f"Field {name!r} ({_describe(t)}) cannot cross zero-copy: {'; '.join(reasons)}. " + _FIX
         )
     with torch.no_grad():
-        out = _narrow(name, t.detach()) if narrow else t.detach()
+        out = narrow(name, t.detach()) if narrowing else t.detach()
         if out is t or out.data_ptr() == t.data_ptr() or not out.is_contiguous():
             # torch's allocator aligns fresh buffers to 64 bytes and never pins them.
             out = torch.empty_like(out, memory_format=torch.contiguous_format).copy_(out)
     if stats is not None:
         stats.record_copy(name, "; ".join(reasons), out.nbytes)
     return out
-
-
-def host_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view (no copy) of a CPU tensor, bfloat16 included (as ``ml_dtypes``)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(jnp.bfloat16)
-    return t.numpy()
 
 
 def copied_shard_bytes(x: jax.Array, t: torch.Tensor) -> int:
@@ -187,20 +140,4 @@ def to_torch(tree: PyTree) -> PyTree:
         >>> to_torch({"a": jnp.arange(3)})["a"].tolist()
         [0, 1, 2]
     """
-    return map_leaves(lambda _, x: _leaf_to_torch(x), tree, lambda x: isinstance(x, jax.Array))
-
-
-def _leaf_to_torch(x: jax.Array) -> torch.Tensor:
-    if len(x.sharding.device_set) > 1:
-        if x.is_fully_replicated and x.addressable_shards:
-            x = x.addressable_shards[0].data
-        elif x.is_fully_addressable:
-            x = jax.device_put(x, x.addressable_shards[0].device)
-        else:
-            from jax.experimental import multihost_utils
-
-            host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            if host.dtype == jnp.bfloat16:
-                return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
-            return torch.from_numpy(host)
-    return torch.from_dlpack(x)
+    return map_leaves(lambda _, x: as_torch(x), tree, lambda x: isinstance(x, jax.Array))

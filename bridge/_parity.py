@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import torch
 
+from bridge._convert import as_numpy, as_torch
 from bridge._errors import ParityError
-
-PyTree = Any
+from bridge._tree import PyTree, path_str
 
 
 @dataclass(frozen=True)
@@ -71,24 +71,16 @@ class ParityReport:
             )
 
 
-def _to_numpy(x: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu()
-        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
-    return np.asarray(jax.device_get(x))
+def _leaf_names(tree: PyTree) -> list[tuple[str, Any]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(path_str(p) or "output", x) for p, x in flat]
 
 
 def _to_torch(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x
+    """Array inputs as fresh torch tensors (the module may write into them); others as are."""
     if isinstance(x, (jax.Array, np.ndarray)):
-        return torch.from_numpy(np.array(jax.device_get(x)))
+        return as_torch(np.array(as_numpy(x), copy=True))
     return x
-
-
-def _leaf_names(tree: PyTree) -> list[tuple[str, Any]]:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(jax.tree_util.keystr(p) or "output", x) for p, x in flat]
 
 
 def check_parity(
@@ -135,7 +127,7 @@ def check_parity(
             f"inputs must be a list or tuple of positional inputs, got {type(inputs).__name__}. "
             "Fix: wrap a single input as [x]."
         )
-    jax_out = jax_apply(params, *(jax.numpy.asarray(_to_numpy(x)) for x in inputs))
+    jax_out = jax_apply(params, *(jax.numpy.asarray(as_numpy(x)) for x in inputs))
     with torch.no_grad():
         torch_out = torch_module(*(_to_torch(x) for x in inputs))
     ours, theirs = _leaf_names(jax_out), _leaf_names(torch_out)
@@ -147,7 +139,7 @@ def check_parity(
         )
     results = []
     for (name, a), (_, b) in zip(ours, theirs, strict=True):
-        a64, b64 = _to_numpy(a).astype(np.float64), _to_numpy(b).astype(np.float64)
+        a64, b64 = as_numpy(a).astype(np.float64), as_numpy(b).astype(np.float64)
         if a64.shape != b64.shape:
             raise ParityError(
                 f"Output {name}: JAX shape {a64.shape} vs torch shape {b64.shape}. Fix: check "

@@ -9,14 +9,45 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 PyTree = Any
 
 
-def _join(prefix: str, key: object) -> str:
+def join(prefix: str, key: object) -> str:
+    """``prefix/key``, or ``key`` alone at the root: the one way the bridge names a path.
+
+    Example:
+        >>> join("", "a"), join("a", 0)
+        ('a', 'a/0')
+    """
     return f"{prefix}/{key}" if prefix else str(key)
+
+
+def key_name(key: Any) -> str:
+    """The name of one ``jax.tree_util`` path entry (dict key, attribute, index).
+
+    Example:
+        >>> import jax
+        >>> key_name(jax.tree_util.DictKey("w")), key_name(jax.tree_util.SequenceKey(2))
+        ('w', '2')
+    """
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(keys: Sequence[Any]) -> str:
+    """The '/'-joined name of a ``jax.tree_util`` key path (``a/b/0``).
+
+    Example:
+        >>> import jax
+        >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [0, 1]})[0]]
+        ['a/0', 'a/1']
+    """
+    return "/".join(key_name(k) for k in keys)
 
 
 def map_leaves(
@@ -33,9 +64,9 @@ def map_leaves(
     if is_leaf(tree):
         return fn(prefix or "<root>", tree)
     if type(tree) is dict:  # the common case first: collated batches are plain dicts
-        return {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
+        return {k: map_leaves(fn, v, is_leaf, join(prefix, k)) for k, v in tree.items()}
     if isinstance(tree, Mapping):
-        items = {k: map_leaves(fn, v, is_leaf, _join(prefix, k)) for k, v in tree.items()}
+        items = {k: map_leaves(fn, v, is_leaf, join(prefix, k)) for k, v in tree.items()}
         cls: Any = type(tree)
         try:
             return cls(items)
@@ -44,17 +75,17 @@ def map_leaves(
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
         return type(tree)(
             *(
-                map_leaves(fn, v, is_leaf, _join(prefix, k))
+                map_leaves(fn, v, is_leaf, join(prefix, k))
                 for k, v in zip(tree._fields, tree, strict=True)
             )
         )
     if isinstance(tree, (list, tuple)):
-        return type(tree)(map_leaves(fn, v, is_leaf, _join(prefix, i)) for i, v in enumerate(tree))
+        return type(tree)(map_leaves(fn, v, is_leaf, join(prefix, i)) for i, v in enumerate(tree))
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         out = copy.copy(tree)  # keeps init=False fields; setattr below also works when frozen
         for f in dataclasses.fields(tree):
             value = getattr(tree, f.name)
-            object.__setattr__(out, f.name, map_leaves(fn, value, is_leaf, _join(prefix, f.name)))
+            object.__setattr__(out, f.name, map_leaves(fn, value, is_leaf, join(prefix, f.name)))
         return out
     return tree
 
