@@ -78,11 +78,11 @@ def init_train_state(
         >>> int(st.step)
         0
     """
-    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample_batch.items()}
+    shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), sample_batch)
 
     def init(rng: jax.Array) -> TrainState:
         init_key, state_key = jax.random.split(rng)
-        batch = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        batch = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         params, model_state = model.init(init_key, batch)
         return TrainState(
             step=jnp.zeros((), jnp.int32),

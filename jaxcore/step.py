@@ -15,7 +15,7 @@ per seed and step, and the same on any mesh.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -35,12 +35,17 @@ Metrics = dict[str, jax.Array]
 
 
 def _mask(batch: Batch, n: int) -> jax.Array:
-    mask = batch.get("mask")
+    mask = batch.get("mask") if isinstance(batch, Mapping) else None
     return jnp.ones((n,), bool) if mask is None else mask
 
 
 def _rows(batch: Batch) -> int:
-    sizes = {k: v.shape[0] for k, v in batch.items() if getattr(v, "ndim", 0)}
+    """The batch's rows: the common leading size of its array leaves (any pytree)."""
+    sizes = {
+        jax.tree_util.keystr(path): v.shape[0]
+        for path, v in jax.tree_util.tree_leaves_with_path(batch)
+        if getattr(v, "ndim", 0)
+    }
     if len(set(sizes.values())) > 1:
         raise BatchError(
             f"Every batch field needs the same number of rows, got {sizes}. "
@@ -53,7 +58,19 @@ def _rows(batch: Batch) -> int:
 
 def _inputs(batch: Batch, dtype: Any) -> Batch:
     """Floating batch fields in the compute dtype (the mask and labels untouched)."""
-    return {k: v if k == "mask" else cast_floating(v, dtype) for k, v in batch.items()}
+    if dtype is None:
+        return batch
+    if isinstance(batch, Mapping):
+        return {k: v if k == "mask" else cast_floating(v, dtype) for k, v in batch.items()}
+    return cast_floating(batch, dtype)
+
+
+def _reduce(values: jax.Array, mask: jax.Array, count: jax.Array) -> jax.Array:
+    """Masked sum of per-example ``values[B]``; a 0-d value is a batch mean (sum = v x rows)."""
+    values = values.astype(jnp.float32)
+    if values.ndim == 0:
+        return values * count
+    return jnp.sum(values * mask)
 
 
 def _sums(
@@ -71,15 +88,17 @@ def _sums(
     )
     outputs = cast_floating(outputs, jnp.float32)
     losses, metrics = loss_fn(outputs, batch)
-    mask = _mask(batch, losses.shape[0]).astype(jnp.float32)
-    sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in metrics.items()}
+    mask = _mask(batch, _rows(batch)).astype(jnp.float32)
+    count = jnp.sum(mask)
+    sums = {k: _reduce(v, mask, count) for k, v in metrics.items()}
     if dtype is not None:  # model state (e.g. batch_stats) keeps its own dtypes
         new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
-    return jnp.sum(losses.astype(jnp.float32) * mask), (new_state, sums, jnp.sum(mask))
+    return _reduce(losses, mask, count), (new_state, sums, count)
 
 
-def _drop_leading(v: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+def _drop_leading_axes(batch: Batch, n: int) -> Batch:
+    """The abstract batch of one optimizer step's one micro-batch (``n`` stacked axes off)."""
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[n:], v.dtype), batch)
 
 
 def _micro_batches(batch: Batch, m: int) -> Batch:
@@ -91,7 +110,7 @@ def _micro_batches(batch: Batch, m: int) -> Batch:
             f"accum_steps={m} must divide the batch rows, got {rows} rows. Fix: make the "
             f"global batch size a multiple of {m}, or change accum_steps."
         )
-    return {k: jnp.swapaxes(v.reshape(rows // m, m, *v.shape[1:]), 0, 1) for k, v in batch.items()}
+    return jax.tree.map(lambda v: jnp.swapaxes(v.reshape(rows // m, m, *v.shape[1:]), 0, 1), batch)
 
 
 def make_train_step(
@@ -106,6 +125,7 @@ def make_train_step(
     accum_steps: int = 1,
     compute_dtype: Any = None,
     nan_policy: str = "none",
+    stacked_micro: bool = False,
 ) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -130,6 +150,13 @@ def make_train_step(
             backward pass; params, gradients, optimizer state and the loss stay float32.
         nan_policy: ``"none"``, ``"skip"`` or ``"stop"`` (see :mod:`jaxcore.guard`); with a
             guard the metrics gain ``nonfinite`` (1.0 on a refused step).
+        stacked_micro: with ``accum_steps=m``, the batch already holds its m micro-batches
+            on a leading axis (``[m, B, ...]``, e.g. m DataLoader batches stacked for
+            Lightning's ``accumulate_grad_batches``) instead of being split by rows.
+
+    The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
+    ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
+    returns as a 0-d array is a mean over the (unpadded) batch.
 
     Returns:
         The jitted step, a :class:`jaxcore.Step` (``.compile(state, batch)`` for statistics).
@@ -171,7 +198,7 @@ def make_train_step(
                 state.params, state.model_state, batch, key
             )
         else:
-            micro = _micro_batches(batch, m)
+            micro = batch if stacked_micro else _micro_batches(batch, m)
 
             def accumulate(carry: Any, xs: Any) -> tuple[Any, None]:
                 g_acc, l_acc, s_acc, c_acc, ms = carry
@@ -232,7 +259,10 @@ def make_train_step(
         return new_state, {**metrics, "nonfinite": bad.astype(jnp.float32)}
 
     def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
-        leading = {name: v.shape[0] if v.ndim else None for name, v in batches.items()}
+        leading = {
+            jax.tree_util.keystr(path): v.shape[0] if v.ndim else None
+            for path, v in jax.tree_util.tree_leaves_with_path(batches)
+        }
         if any(n != k for n in leading.values()):
             raise BatchError(
                 f"steps_per_call={k} needs every batch field stacked as [{k}, B, ...], got "
@@ -245,7 +275,7 @@ def make_train_step(
         name="train_step",
         steps_per_call=k,
         cost_fn=flat_step,
-        cost_args=lambda st, b: (st, b if k == 1 else jax.tree.map(_drop_leading, b)),
+        cost_args=lambda st, b: (st, _drop_leading_axes(b, (k > 1) + stacked_micro)),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=(0,) if donate else (),
@@ -288,9 +318,10 @@ def make_eval_step(
             False,
         )
         losses, metrics = loss_fn(cast_floating(outputs, jnp.float32), batch)
-        mask = _mask(batch, losses.shape[0]).astype(jnp.float32)
-        sums = {k: jnp.sum(v * mask) for k, v in metrics.items()}
-        return {"loss": jnp.sum(losses * mask), **sums, "count": jnp.sum(mask)}
+        mask = _mask(batch, _rows(batch)).astype(jnp.float32)
+        count = jnp.sum(mask)
+        sums = {k: _reduce(v, mask, count) for k, v in metrics.items()}
+        return {"loss": _reduce(losses, mask, count), **sums, "count": count}
 
     return Step(step, name="eval_step", in_shardings=(state_sharding, batch_sharding))
 
