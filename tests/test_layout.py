@@ -1,5 +1,6 @@
 """Packaging and architecture rules of DESIGN.md."""
 
+import ast
 import re
 import shutil
 import subprocess
@@ -8,6 +9,123 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxcore", "bridge", "torchshell")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(
+    tree: ast.AST, name: str, is_package: bool, modules: set[str] | None = None
+) -> set[str]:
+    """Modules a module imports when it runs (function-local imports included,
+    ``if TYPE_CHECKING:`` blocks left out); ``from pkg import sub`` names the submodule
+    ``pkg.sub`` alone when it is one of ``modules``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = name.split(".")
+                parent = parent if is_package else parent[:-1]
+                parent = parent[: len(parent) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            subs = {f"{base}.{alias.name}" for alias in node.names}
+            known = subs & modules if modules is not None else subs
+            found.update(known)
+            if len(known) < len(subs) or modules is None:
+                found.add(base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """``{module: modules of the three packages it imports}`` over jaxcore, bridge, torchshell."""
+    files = {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        imports = _runtime_imports(tree, name, path.name == "__init__.py", set(files))
+        graph[name] = {m for m in imports if m in files and m != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]], package: str) -> list[str] | None:
+    """A cycle of imports among the modules of ``package``, or None."""
+    inside = {m: {d for d in deps if d.split(".")[0] == package} for m, deps in graph.items()}
+    inside = {m: deps for m, deps in inside.items() if m.split(".")[0] == package}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(inside.get(m, ())):
+            if state.get(d) == 1:
+                return [*stack[stack.index(d) :], d]
+            if d not in state and (found := walk(d)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(inside):
+        if m not in state and (found := walk(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle_inside_a_package():
+    graph = _graph()
+    for package in PACKAGES:
+        assert _cycle(graph, package) is None, f"{package}: " + " -> ".join(
+            _cycle(graph, package) or []
+        )
+
+
+def test_cycle_finder_finds_a_function_local_cycle():
+    tree = ast.parse("def f():\n    from torchshell.app.cli import main\n")
+    assert "torchshell.app.cli" in _runtime_imports(tree, "torchshell.app.doctor", False)
+    graph = {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": set()}
+    assert _cycle(graph, "p") == ["p.a", "p.b", "p.a"]
+
+
+def test_the_library_never_imports_the_app():
+    graph = _graph()
+    library = {m: deps for m, deps in graph.items() if m.startswith("torchshell")}
+    offenders = {
+        m: sorted(d for d in deps if d == "torchshell.app" or d.startswith("torchshell.app."))
+        for m, deps in library.items()
+        if not (m == "torchshell.app" or m.startswith("torchshell.app."))
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+    # Hydra is the app's: the library takes plain values
+    hydra_users = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "torchshell").rglob("*.py")
+        if "app" not in p.relative_to(ROOT / "torchshell").parts
+        and re.search(r"^\s*(import|from)\s+hydra\b", p.read_text(), re.M)
+    }
+    assert hydra_users == set()
 
 
 def _imports(package: str) -> set[str]:
@@ -60,5 +178,7 @@ def test_wheel_ships_conf_inside_torchshell(tmp_path: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "torchshell/conf/config.yaml" in names
     assert "torchshell/conf/data/digits.yaml" in names
+    assert "torchshell/conf/recipe/digits.yaml" in names
+    assert "torchshell/app/cli.py" in names and "torchshell/tracking/_logger.py" in names
     assert not any(n.startswith("conf/") for n in names)
     assert any(n.endswith("entry_points.txt") for n in names)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jaxcore._errors as _jaxcore_errors
+
 
 class ShellError(Exception):
     """Base class of every error torchshell raises on bad input."""
@@ -11,8 +13,12 @@ class CheckpointError(ShellError, RuntimeError):
     """A checkpoint that is damaged or does not belong to this model."""
 
 
-class ConfigError(ShellError, ValueError):
-    """A configuration value the shell cannot use."""
+class ConfigError(ShellError, _jaxcore_errors.ConfigError):
+    """A configuration value the shell cannot use.
+
+    One class to catch: it subclasses ``jaxcore.ConfigError`` (the core cannot import the
+    shell), so ``except jaxcore.ConfigError`` catches both; both are ``ValueError``s.
+    """
 
 
 class TorchModelError(ShellError, ValueError):

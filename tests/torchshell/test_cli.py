@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import run_ok
-from torchshell.export import export_command
+from torchshell.app.export_cli import export_command
 from torchshell.twins.digits import MLP as TwinMLP
 
 
@@ -19,7 +19,7 @@ def _train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable,
         "-m",
-        "torchshell.cli",
+        "torchshell.app.cli",
         "train",
         "trainer.enable_progress_bar=false",
         f"tracking.uri=sqlite:///{tmp}/mlflow.db",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchshell.doctor import FAIL, Check, compose_config, doctor_command, run_checks
+from torchshell.app.doctor import FAIL, Check, compose_config, doctor_command, run_checks
 
 NAMES = [
     "versions",
@@ -130,7 +130,7 @@ def test_config_that_does_not_compose_exits_2(override: str, needle: str, capsys
 
 
 def test_coreshell_main_dispatches_doctor(tmp_path: Path, capsys):
-    from torchshell.cli import main
+    from torchshell.app.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["doctor", *_base(tmp_path), "mesh.axes.data=3"])

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 import bridge
 from jaxcore.models.digits import MLP
-from torchshell.export import export_command, export_twin
+from torchshell.app.export_cli import export_command
+from torchshell.export import export_twin
 from torchshell.twins.digits import MLP as TwinMLP
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model" / "digits.yaml"
@@ -74,7 +75,7 @@ def test_safetensors_from_an_mlflow_run_id(tmp_path: Path, monkeypatch):
 
 
 def test_cli_dispatches_export(tmp_path: Path):
-    from torchshell.cli import main
+    from torchshell.app.cli import main
 
     run, _, _ = _run_dir(tmp_path)
     main(["export", str(run), "--format", "torch", "--out", str(tmp_path / "w.pt")])
@@ -84,29 +85,34 @@ def test_cli_dispatches_export(tmp_path: Path):
 
 
 def test_bad_sources_exit_with_a_clear_message(tmp_path: Path, monkeypatch, capsys):
+    """Through the CLI: one block without a traceback; 2 for a bad source, 1 for a failure."""
+    from torchshell.app.cli import main
+
+    def export(*argv: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["export", *argv])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return exit_.value.code, err
+
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        export_command(["no-such-run", "--format", "onnx"])
-    assert exit_.value.code == 1
-    assert "does not exist" in capsys.readouterr().err
+    code, err = export("no-such-run", "--format", "onnx")
+    assert code == 2 and "does not exist" in err and "Fix:" in err
     assert not (tmp_path / "mlflow.db").exists()  # a typo creates no store
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit):
-        export_command([str(tmp_path / "empty"), "--format", "torch"])
-    assert "export/model.safetensors" in capsys.readouterr().err
+    code, err = export(str(tmp_path / "empty"), "--format", "torch")
+    assert code == 2 and "export/model.safetensors" in err
 
     run, _, _ = _run_dir(tmp_path, features=(16,))
     cfg = OmegaConf.load(run / "config.yaml")
     cfg.model.flax.features = [8]
     OmegaConf.save(cfg, run / "config.yaml")
-    with pytest.raises(SystemExit):
-        export_command([str(run), "--format", "safetensors"])
-    assert "do not fit the twin MLP" in capsys.readouterr().err
+    code, err = export(str(run), "--format", "safetensors")
+    assert code == 1 and "CheckpointError" in err and "do not fit the twin MLP" in err
 
-    with pytest.raises(SystemExit) as exit_:
-        export_command([str(run), "--format", "tflite"])
-    assert exit_.value.code == 2  # argparse names the allowed formats
+    code, err = export(str(run), "--format", "tflite")
+    assert code == 2  # argparse names the allowed formats
 
 
 def test_onnx_export_of_the_two_input_speech_twin_has_a_dynamic_batch(tmp_path: Path):

@@ -16,17 +16,15 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 from safetensors.torch import load_file
 
 from tests.helpers import quiet_env
-from torchshell import cli
 from torchshell._errors import ConfigError
+from torchshell.app.config import compose_config, typed
+from torchshell.app.launch import child_commands, child_env, devices_per_child, first_failure
+from torchshell.app.prepare import build
+from torchshell.app.train import train
 from torchshell.checkpoint import restore_state, verify
-from torchshell.config import register_configs
-from torchshell.launch import child_commands, child_env, devices_per_child, first_failure
 
 STEPS = 20
 COMMON = [
@@ -39,18 +37,6 @@ COMMON = [
     "test_after_fit=false",
     "step.dump_hlo=false",
 ]
-
-
-def _compose(overrides: list[str], run_dir: Path):
-    register_configs()
-    with initialize_config_dir(config_dir=str(cli.config_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(run_dir)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg
 
 
 def _losses(uri: str, experiment: str) -> dict[str, list[float]]:
@@ -69,7 +55,7 @@ def _step(m):
 
 
 def _launch(tmp_path: Path, nproc: int, devices: int, overrides: list[str]) -> str:
-    cmd = [sys.executable, "-m", "torchshell.cli", "launch", "--nproc", str(nproc)]
+    cmd = [sys.executable, "-m", "torchshell.app.cli", "launch", "--nproc", str(nproc)]
     cmd += ["--devices-per-proc", str(devices), "--", "train", *overrides]
     proc = subprocess.run(
         cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=quiet_env()
@@ -138,8 +124,8 @@ def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkey
             f"tracking.uri={base_uri}",
             "tracking.experiment=base",
         ]
-        cfg = _compose(overrides, tmp_path / f"base-{preset}")
-        summary = cli.train(cfg)
+        cfg = typed(compose_config(overrides))
+        summary = train(cfg, tmp_path / f"base-{preset}")
         base = _losses(base_uri, "base")[preset]
         history = launched[preset] + (resumed if preset == "fsdp" else [])
         assert len(base) == len(history) == steps
@@ -157,7 +143,7 @@ def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkey
         # the one-process state and holds the weights exported beside it
         final = tmp_path / "ckpt" / preset / f"epoch=1-step={STEPS}.ckpt"
         assert verify(final) is None
-        data, module, twin = cli.build(cfg)
+        data, module, twin = build(cfg)
         data.setup("fit")
         module.init_state(next(iter(data.train_dataloader())))
         module.state = restore_state(final / "state", module.state)
@@ -177,7 +163,7 @@ def test_killed_process_stops_the_run_with_a_clear_message(tmp_path: Path):
     cmd = [
         sys.executable,
         "-m",
-        "torchshell.cli",
+        "torchshell.app.cli",
         "launch",
         "--nproc",
         "2",

@@ -35,7 +35,7 @@ def _cmd(tmp: Path, name: str, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torchshell.cli",
+        "torchshell.app.cli",
         "train",
         *COMMON,
         f"tracking.uri=sqlite:///{tmp}/mlflow.db",
@@ -141,7 +141,7 @@ def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path):
 )
 def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, needle: str):
     proc = subprocess.run(
-        [sys.executable, "-m", "torchshell.cli", "train", override],
+        [sys.executable, "-m", "torchshell.app.cli", "train", override],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -155,7 +155,7 @@ def test_multirun_gives_one_mlflow_run_per_job(tmp_path: Path):
     cmd = [
         sys.executable,
         "-m",
-        "torchshell.cli",
+        "torchshell.app.cli",
         "train",
         "-m",
         "data=digits",

@@ -28,7 +28,6 @@ from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 import jaxcore
 from jaxcore.models.digits import MLP as FlaxMLP
 from torchshell import JaxModule
-from torchshell._tracking_outbox import Outbox
 from torchshell.data.digits import DigitsDataModule
 from torchshell.export import export_twin
 from torchshell.tracking import (
@@ -40,6 +39,7 @@ from torchshell.tracking import (
     replay,
     run_tags,
 )
+from torchshell.tracking._outbox import Outbox
 from torchshell.twins.digits import MLP as TwinMLP
 
 BIN = Path(sys.executable).parent

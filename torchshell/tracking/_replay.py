@@ -1,22 +1,4 @@
-"""MLflow tracking that never slows or kills training.
-
-- :class:`AsyncMLflowLogger`: a Lightning logger; queued, batched, survives store outages,
-  ends with a :class:`TrackingReport` of anything not delivered.
-- :func:`run_tags`: git commit, library versions, devices, mesh shape, process count.
-- :func:`log_confusion_matrix`, :func:`log_torch_model`: the run page's plot and the torch
-  twin as a servable MLflow PyTorch model.
-- :class:`SystemMetrics`: CPU/memory/disk/network (and GPU) samples as ``system/*`` metrics.
-- :func:`aggregate_hosts`: per-process figures (data wait per host) as mean/min/max.
-- :func:`replay`: sends an ``undelivered.jsonl`` left by a run whose store was down.
-
-Example:
-    >>> import tempfile
-    >>> uri = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"
-    >>> logger = AsyncMLflowLogger("demo", tracking_uri=uri, tags=run_tags())
-    >>> logger.log_metrics({"train/loss": 1.0}, step=0)
-    >>> logger.close().complete
-    True
-"""
+"""Sends the records a run could not deliver (``undelivered.jsonl``) to the store, in order."""
 
 from __future__ import annotations
 
@@ -25,34 +7,9 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from torchshell import _tracking_delivery as delivery
 from torchshell._errors import TrackingError
-from torchshell._tracking_artifacts import (
-    confusion_matrix,
-    default_pip_requirements,
-    log_confusion_matrix,
-    log_torch_model,
-)
-from torchshell._tracking_hosts import aggregate_hosts
-from torchshell._tracking_logger import AsyncMLflowLogger, flatten
-from torchshell._tracking_report import TrackingReport
-from torchshell._tracking_system import SystemMetrics
-from torchshell._tracking_tags import run_tags
-
-__all__ = [
-    "AsyncMLflowLogger",
-    "SystemMetrics",
-    "TrackingError",
-    "TrackingReport",
-    "aggregate_hosts",
-    "confusion_matrix",
-    "default_pip_requirements",
-    "flatten",
-    "log_confusion_matrix",
-    "log_torch_model",
-    "replay",
-    "run_tags",
-]
+from torchshell.tracking import _records as delivery
+from torchshell.tracking._report import TrackingReport
 
 
 def replay(path: str | Path, tracking_uri: str | None = None) -> TrackingReport:

@@ -13,8 +13,12 @@ from torchshell.export import export_module, max_abs_diff
 from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
 
 
-def test_predictions(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray]:
-    """JAX logits over the whole test split, and the labels (every process must call it)."""
+def predict_test_split(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray]:
+    """JAX logits over the whole test split, and the labels (every process must call it).
+
+    Returns:
+        ``(labels per batch or None, logits [N, C])``.
+    """
     labels, logits = [], []
     for batch in data.test_dataloader():
         logits.append(module.predict_step(batch, 0).numpy())
@@ -72,7 +76,7 @@ def publish(
         ``{"export": path, "parity_max_abs_diff": float, "test_accuracy": float | None}``.
     """
     export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
-    labels, logits = test_predictions(module, data)
+    labels, logits = predict_test_split(module, data)
     batch = next(iter(data.test_dataloader()))
     with torch.no_grad():
         torch_logits = twin(*(batch[k] for k in inputs))

@@ -1,26 +1,4 @@
-"""``coreshell doctor [OVERRIDES...]``: a pre-flight check of a config before any training.
-
-Composes the same Hydra config ``coreshell train`` would, builds the data module, the
-:class:`~torchshell.JaxModule` and the torch twin, takes one sample batch, and checks what
-usually goes wrong in the first hour of a run, without running a step:
-
-==============  ===========================================================================
-versions        JAX, jaxlib, torch and CUDA versions; the devices JAX and torch see
-workers         the DataLoader's start method against JAX's threads (``fork`` deadlocks)
-sample batch    one batch from the configured data module: keys, shapes, dtypes
-x64             64-bit fields while ``jax_enable_x64`` is off (narrowed or refused)
-zero-copy       whether the sample batch crosses to JAX without a host copy
-model           the model and loss traced on the sample batch (``jax.eval_shape``, no FLOPs)
-mesh            mesh axes against the device count; the batch against the data axis
-sharding        the sharding plan of the whole state; params that no rule shards
-recompiles      compiled shapes the loaders will produce (ragged last batches, buckets)
-tracking        MLflow reachability (``GET /health`` for an http URI)
-checkpoints     free space for ``ckpt.keep`` checkpoints in ``ckpt.dir``
-==============  ===========================================================================
-
-Each check is ``ok``, ``warn`` (works, but costs time or memory) or ``fail`` (the run would
-stop or be wrong). The command exits 1 when any check fails, 2 on a config it cannot compose.
-"""
+"""The checks of ``coreshell doctor``, one function per row of its table."""
 
 from __future__ import annotations
 
@@ -28,16 +6,13 @@ import math
 import multiprocessing
 import os
 import shutil
-import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-__all__ = ["Check", "compose_config", "doctor_command", "run_checks"]
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 HEALTH_TIMEOUT_S = 3.0
@@ -56,23 +31,6 @@ class Check:
     name: str
     status: str
     detail: str
-
-
-def compose_config(overrides: Sequence[str] = ()) -> Any:
-    """The config ``coreshell train OVERRIDES`` would run with (Hydra's compose API).
-
-    Example:
-        >>> compose_config(["optim.lr=0.01"]).optim.lr
-        0.01
-    """
-    from hydra import compose, initialize_config_dir
-
-    from torchshell.cli import config_dir
-    from torchshell.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def _fmt(t: Any) -> str:
@@ -265,13 +223,11 @@ def _model(module: Any, jbatch: dict[str, Any]) -> tuple[Check, Any]:
 
 
 def _sharding(cfg: Any, module: Any, abstract: Any) -> Check:
-    from omegaconf import OmegaConf
-
     import jaxcore
 
     rules = jaxcore.sharding_rules(
         cfg.mesh.preset,
-        list(OmegaConf.to_container(cfg.mesh.rules) or []),
+        list(cfg.mesh.rules or []),
         data_axis=cfg.mesh.data_axis,
         model_axis=cfg.mesh.model_axis,
     )
@@ -408,117 +364,3 @@ def _checkpoints(cfg: Any, abstract: Any) -> Check:
             "space, lower ckpt.keep or move ckpt.dir.",
         )
     return Check("checkpoints", OK, detail)
-
-
-def run_checks(cfg: Any) -> list[Check]:
-    """Every pre-flight check for a composed config (see the module doc).
-
-    Args:
-        cfg: a config from :func:`compose_config`.
-
-    Returns:
-        The checks in table order; any ``fail`` is blocking.
-
-    Example:
-        >>> checks = run_checks(compose_config(["tracking.uri=sqlite:///mlflow.db"]))
-        >>> [c.name for c in checks][:2]
-        ['versions', 'mesh']
-    """
-    from torchshell.cli import build
-
-    checks = [_versions()]
-    mesh_check, mesh = _mesh(cfg)
-    checks.append(mesh_check)
-    checks.append(_tracking(str(cfg.tracking.uri)))
-    if mesh is None:
-        return checks
-    try:
-        data, module, twin = build(cfg)
-        data.prepare_data()
-        data.setup("fit")
-        loader = data.train_dataloader()
-    except Exception as err:  # any error here is the finding
-        checks.append(Check("build", FAIL, f"{type(err).__name__}: {err}"))
-        return checks
-    checks.append(_workers(loader))
-    checks.extend(_recompiles(data, module))
-    if any(c.name in ("workers", "data") and c.status == FAIL for c in checks):
-        return checks
-    try:
-        batch = dict(next(iter(loader)))
-    except StopIteration:
-        checks.append(
-            Check(
-                "data",
-                FAIL,
-                "the training loader yields no batch. Fix: check "
-                "the data path, split fractions and data.batch_size.",
-            )
-        )
-        return checks
-    k = getattr(module, "steps_per_call", 1)
-    n = next(iter(batch.values())).shape[0] // k
-    batch = {name: t[:n] for name, t in batch.items()}
-    checks.append(_sample_checks(batch, module, twin, list(cfg.model.inputs)))
-    checks.append(_x64(batch))
-    transfer, jbatch = _transfer(batch, module, _rows(n, mesh.shape[module.data_axis]))
-    checks.append(transfer)
-    if jbatch is None:
-        return checks
-    model, abstract = _model(module, jbatch)
-    checks.append(model)
-    if abstract is not None:
-        checks.append(_sharding(cfg, module, abstract))
-        checks.append(_checkpoints(cfg, abstract))
-    return checks
-
-
-def render(checks: Sequence[Check], print_fn: Callable[..., None] | None = None) -> None:
-    """Prints the checks as a rich table (and a one-line verdict)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=sys.stdout, width=max(shutil.get_terminal_size().columns, 120))
-    table = Table(title="coreshell doctor", show_lines=True)
-    table.add_column("check", no_wrap=True)
-    table.add_column("status", no_wrap=True)
-    table.add_column("detail", overflow="fold")
-    style = {OK: "green", WARN: "yellow", FAIL: "bold red"}
-    for c in checks:
-        table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)
-    (print_fn or console.print)(table)
-    failed = [c.name for c in checks if c.status == FAIL]
-    verdict = f"blocking: {', '.join(failed)}" if failed else "no blocking problem"
-    (print_fn or console.print)(f"coreshell doctor: {verdict}")
-
-
-def doctor_command(argv: list[str]) -> int:
-    """``coreshell doctor [OVERRIDES...]``: prints the table; 0 when nothing blocks.
-
-    Returns:
-        0 (no blocking problem), 1 (a check failed) or 2 (the config does not compose:
-        unknown key, wrong type).
-
-    Example:
-        >>> doctor_command(["--help"])  # doctest: +ELLIPSIS
-        usage: coreshell doctor ...
-        0
-    """
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: coreshell doctor [OVERRIDES...]  (the same overrides as coreshell train)")
-        return 0
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        cfg = compose_config(argv)
-    except (HydraException, OmegaConfBaseException) as err:
-        print(
-            f"coreshell doctor: the config does not compose with {argv}: {err}\nFix: check "
-            "the key names and types against conf/ (coreshell train --cfg job prints it).",
-            file=sys.stderr,
-        )
-        return 2
-    checks = run_checks(cfg)
-    render(checks)
-    return 1 if any(c.status == FAIL for c in checks) else 0

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from argparse import Namespace
@@ -16,16 +13,13 @@ from typing import Any
 
 import jax
 from lightning.pytorch.loggers.logger import Logger
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH, path_not_unique
 
-from torchshell import _tracking_delivery as delivery
 from torchshell._errors import TrackingError
-from torchshell._tracking_outbox import Outbox
-from torchshell._tracking_report import TrackingReport
-
-log = logging.getLogger(__name__)
+from torchshell.tracking import _records as delivery
+from torchshell.tracking._delivery import Delivery
+from torchshell.tracking._report import TrackingReport
 
 _STATUS = {
     "success": "FINISHED",
@@ -150,25 +144,25 @@ class AsyncMLflowLogger(Logger):
         self.spill_dir = Path(spill_dir or tempfile.mkdtemp(prefix="coreshell-tracking-"))
         self.spill_dir.mkdir(parents=True, exist_ok=True)
         self._client = MlflowClient(tracking_uri)
-        self._tags = {k: str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()}
-        self._run_id = run_id
         self._local_id = "offline-" + uuid.uuid4().hex[:12]
         self._version: str | None = None
         self._status = "FINISHED"
-        self._outbox = Outbox(self.spill_dir / "spill.jsonl", max_in_memory=max_in_memory)
         self._params: dict[str, str] = {}
-        self.report = TrackingReport(run_id=run_id, tracking_uri=tracking_uri)
-        self._run_ready = threading.Event()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._down = False
         self._closed = False
-        self._thread: threading.Thread | None = None
-        if self.enabled:
-            self._thread = threading.Thread(
-                target=self._deliver_forever, name="mlflow-delivery", daemon=True
-            )
-            self._thread.start()
+        self.report = TrackingReport(run_id=run_id, tracking_uri=tracking_uri)
+        self._delivery = Delivery(
+            self._client,
+            self.report,
+            experiment=experiment,
+            spill_dir=self.spill_dir,
+            run_name=run_name,
+            run_id=run_id,
+            tags={k: str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()},
+            max_in_memory=max_in_memory,
+            flush_interval_s=flush_interval_s,
+            max_backoff_s=max_backoff_s,
+            start=self.enabled,
+        )
 
     # -- Lightning's Logger interface -------------------------------------------------------
     @property
@@ -180,14 +174,14 @@ class AsyncMLflowLogger(Logger):
     def version(self) -> str:
         """The run id (waits up to 5 s for the run; ``offline-...`` if the store is down)."""
         if self._version is None:
-            self._run_ready.wait(5.0)
-            self._version = self._run_id or self._local_id
+            self._delivery.run_ready.wait(5.0)
+            self._version = self._delivery.run_id or self._local_id
         return self._version
 
     @property
     def run_id(self) -> str | None:
         """The MLflow run id once the run exists (None while the store is unreachable)."""
-        return self._run_id
+        return self._delivery.run_id
 
     @property
     def closed(self) -> bool:
@@ -251,7 +245,7 @@ class AsyncMLflowLogger(Logger):
             self._status = mlflow_status
         if not self.flush(self.close_timeout_s):
             print(
-                f"tracking: {len(self._outbox)} record(s) not yet delivered to "
+                f"tracking: {len(self._delivery)} record(s) not yet delivered to "
                 f"{self.tracking_uri}; still retrying",
                 file=sys.stderr,
             )
@@ -316,114 +310,17 @@ class AsyncMLflowLogger(Logger):
             raise TrackingError("This logger is closed. Fix: log before close(), or a new logger.")
         if records:
             self.report.queued += len(records)
-            self._outbox.extend(records)
-            if len(records) >= 1000:
-                self._wake.set()
+            self._delivery.put(records)
 
     def pending(self) -> int:
         """Records queued and not yet delivered."""
-        return len(self._outbox)
+        return len(self._delivery)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits until everything queued so far is delivered; False on timeout."""
         if not self.enabled:
             return True
-        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
-        self._wake.set()
-        while len(self._outbox) and time.monotonic() < deadline:
-            if self._thread is not None and not self._thread.is_alive():
-                break
-            self._wake.set()
-            time.sleep(0.01)
-        return len(self._outbox) == 0
-
-    def _ensure_run(self) -> bool:
-        if self._run_id is not None:
-            self._run_ready.set()
-            return True
-        if not delivery.server_is_up(self.tracking_uri):
-            raise ConnectionError(f"tracking server {self.tracking_uri} is unreachable")
-        exp = self._client.get_experiment_by_name(self.experiment_name)
-        if exp is None:
-            try:
-                exp_id = self._client.create_experiment(self.experiment_name)
-            except MlflowException:  # created meanwhile by another process
-                exp = self._client.get_experiment_by_name(self.experiment_name)
-                if exp is None:
-                    raise
-                exp_id = exp.experiment_id
-        else:
-            exp_id = exp.experiment_id
-        run = self._client.create_run(exp_id, run_name=self.run_name, tags=self._tags)
-        self._run_id = self.report.run_id = run.info.run_id
-        self._run_ready.set()
-        return True
-
-    def _deliver_forever(self) -> None:
-        backoff = 0.0
-        while True:
-            try:
-                self._ensure_run()
-                chunk = self._outbox.take(delivery.batch_size)
-                if chunk:
-                    self._send(chunk)
-                if self._down:
-                    log.warning("tracking: %s is reachable again; replaying", self.tracking_uri)
-                self._down, backoff = False, 0.0
-                if chunk:
-                    continue
-            except Exception as error:  # transient: keep training, retry later
-                if not self._down:
-                    self._down = True
-                    self.report.outages += 1
-                    log.warning(
-                        "tracking: %s unreachable (%s); buffering and retrying",
-                        self.tracking_uri,
-                        error,
-                    )
-                self.report.errors = [*self.report.errors[-9:], f"{type(error).__name__}: {error}"]
-                backoff = min(max(2 * backoff, 0.25), self.max_backoff_s)
-                if self._stop.is_set():
-                    return
-                self._wake.wait(backoff)
-                self._wake.clear()
-                continue
-            if self._stop.is_set():
-                return
-            self._wake.wait(self.flush_interval_s)
-            self._wake.clear()
-
-    def _send(self, chunk: list[dict[str, Any]]) -> None:
-        if not delivery.server_is_up(self.tracking_uri):
-            raise ConnectionError(f"tracking server {self.tracking_uri} is unreachable")
-        assert self._run_id is not None  # _ensure_run ran
-        try:
-            delivery.send(self._client, self._run_id, chunk)
-            self.report.delivered += len(chunk)
-        except Exception as error:
-            if not delivery.is_permanent(error):
-                raise
-            self._send_one_by_one(chunk)
-        self._outbox.ack()
-
-    def _send_one_by_one(self, chunk: list[dict[str, Any]]) -> None:
-        """Isolates the records the store refuses; transient errors still propagate."""
-        assert self._run_id is not None
-        done = 0
-        try:
-            for record in chunk:
-                try:
-                    delivery.send(self._client, self._run_id, [record])
-                    self.report.delivered += 1
-                except Exception as error:
-                    if not delivery.is_permanent(error):
-                        raise
-                    what = record.get("k", record.get("path"))
-                    self.report.rejected.append(f"{what}: {type(error).__name__}: {error}")
-                done += 1
-        finally:
-            if done < len(chunk):
-                self._outbox.replace_inflight(chunk[done:])
+        return self._delivery.flush(self.close_timeout_s if timeout_s is None else timeout_s)
 
     # -- the end -------------------------------------------------------------------------
     def close(self, status: str | None = None, *, timeout_s: float | None = None) -> TrackingReport:
@@ -442,37 +339,16 @@ class AsyncMLflowLogger(Logger):
             self._status = _terminal_status(status)
         self.flush(timeout_s)
         self._closed = True
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-        self.report.spilled = self._outbox.spilled_total
+        self._delivery.stop()
+        self.report.spilled = self._delivery.outbox.spilled_total
         self.report.status = self._status
-        if self._run_id is not None and not len(self._outbox):
+        run_id = self._delivery.run_id
+        if run_id is not None and not len(self._delivery):
             try:
-                self._client.set_terminated(self._run_id, self._status)
+                self._client.set_terminated(run_id, self._status)
             except Exception as error:  # report it, never crash the caller
                 self.report.errors.append(f"set_terminated: {error}")
-        self._write_leftovers()
+        self._delivery.write_leftovers(self._status)
         if not self.report.complete:
             print(f"tracking: {self.report}", file=sys.stderr)
         return self.report
-
-    def _write_leftovers(self) -> None:
-        left = self._outbox.drain()
-        self.report.undelivered = len(left)
-        if not left:
-            return
-        path = self.spill_dir / "undelivered.jsonl"
-        header = {
-            "t": "header",
-            "run_id": self._run_id,
-            "tracking_uri": self.tracking_uri,
-            "experiment": self.experiment_name,
-            "run_name": self.run_name,
-            "tags": self._tags,
-            "status": self._status,
-        }
-        with path.open("w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in [header, *left])
-        self.report.undelivered_file = str(path)

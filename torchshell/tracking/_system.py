@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchshell._tracking_logger import AsyncMLflowLogger
+    from torchshell.tracking._logger import AsyncMLflowLogger
 
 
 def _monitors() -> list[Any]:

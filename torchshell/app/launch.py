@@ -108,7 +108,7 @@ def child_commands(
     address = f"127.0.0.1:{port}"
     cmds = []
     for rank in range(nproc):
-        cmd = [sys.executable, "-m", "torchshell.cli", "train", *overrides]
+        cmd = [sys.executable, "-m", "torchshell.app.cli", "train", *overrides]
         cmd += [
             f"dist.coordinator={address}",
             f"dist.num_processes={nproc}",

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 
 from torchshell._errors import TrackingError
-from torchshell._tracking_delivery import server_is_up
+from torchshell.tracking._records import server_is_up
 
 if TYPE_CHECKING:
     from mlflow.models.model import ModelInfo
 
-    from torchshell._tracking_logger import AsyncMLflowLogger
+    from torchshell.tracking._logger import AsyncMLflowLogger
 
 
 def confusion_matrix(y_true: Any, y_pred: Any, num_classes: int | None = None) -> np.ndarray:

@@ -1,0 +1,119 @@
+"""The ``coreshell`` command: ``train``, ``export``, ``doctor``, ``launch``.
+
+Every coreshell error that reaches here (config, mesh, sharding, data, checkpoint, export,
+tracking, distributed) prints as one block, what was expected, what came in and the fix, and
+exits 2 for bad input (the ``ValueError`` family) or 1 for a failure. Anything else is a bug
+and keeps its traceback. ``--verbose`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback of
+every error and the library warnings the quiet console leaves out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torchshell.app.failures import BAD_INPUT, our_errors, report
+
+USAGE = """usage: coreshell [--verbose] COMMAND [ARGS...]
+
+  train    train with the Hydra config in conf/ (e.g. trainer.max_steps=200 optim.lr=1e-3)
+           recipe=digits | recipe=spoken_digits picks a whole recipe (data + model);
+           add --cfg job to print the resolved config, -m for a multirun sweep
+  export   RUN_DIR --format safetensors|torch|onnx: the trained torch twin's weights
+  doctor   [OVERRIDES...]: pre-flight checks of a config, without training
+  launch   --nproc N [--devices-per-proc K] -- train [OVERRIDES...]: N local processes on
+           JAX's distributed runtime
+
+  --verbose  keep library warnings and show the traceback of every error
+"""
+
+
+def verbose() -> bool:
+    """Whether ``--verbose`` or ``HYDRA_FULL_ERROR=1`` asked for everything."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("CORESHELL_VERBOSE") == "1"
+
+
+def guarded(command: str, fn: Callable[[], Any]) -> Any:
+    """Runs ``fn``; a coreshell error becomes one block and ``SystemExit`` (2 or 1).
+
+    Example:
+        >>> guarded("doctor", lambda: 0)
+        0
+    """
+    if verbose():
+        return fn()
+    try:
+        return fn()
+    except our_errors() as err:
+        raise SystemExit(report(command, err)) from None
+
+
+def _train_task(cfg: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from torchshell.app import quiet
+    from torchshell.app.config import typed
+    from torchshell.app.train import train
+
+    quiet.configure(verbose())
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    guarded("train", lambda: train(typed(cfg), out_dir))
+
+
+def _train_main(argv: Sequence[str]) -> None:
+    import hydra
+
+    from torchshell.app import quiet
+    from torchshell.app.config import config_dir, register_configs
+
+    quiet.configure(verbose())
+    register_configs()
+    started: list[bool] = []
+
+    def task(cfg: Any) -> None:
+        started.append(True)
+        _train_task(cfg)
+
+    sys.argv = [f"{Path(sys.argv[0]).name} train", *argv]
+    try:
+        hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")(task)()
+    except SystemExit as stop:
+        if stop.code == 1 and not started:  # Hydra refused the overrides: bad input
+            raise SystemExit(BAD_INPUT) from None
+        raise
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``coreshell`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in args[:1]:
+        args = args[1:]
+        os.environ["CORESHELL_VERBOSE"] = "1"  # read by this process and its children
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command, rest = args[0], args[1:]
+    if command == "train":
+        _train_main(rest)
+    elif command == "export":
+        from torchshell.app.export_cli import export_command
+
+        guarded("export", lambda: export_command(rest))
+    elif command == "launch":
+        from torchshell.app.launch import launch_command
+
+        raise SystemExit(guarded("launch", lambda: launch_command(rest)))
+    elif command == "doctor":
+        from torchshell.app.doctor import doctor_command
+
+        raise SystemExit(guarded("doctor", lambda: doctor_command(rest)))
+    else:
+        print(f"coreshell: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""``coreshell train``: one training job from a typed config, and its end summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import OmegaConf
+
+import jaxcore
+from torchshell import distributed
+from torchshell._errors import CheckpointError, ConfigError
+from torchshell.app import console
+from torchshell.app.config import Config, TrainerConfig, plain
+from torchshell.app.prepare import Prepared, build, prepare_run
+from torchshell.app.publish import predict_test_split, publish
+from torchshell.checkpoint import CheckpointOnSigterm, OrbaxCheckpointIO, latest_checkpoint, verify
+from torchshell.export import export_module
+from torchshell.module import JaxModule
+from torchshell.tracking import AsyncMLflowLogger, SystemMetrics, run_tags
+
+
+def _export_hook(resolved: dict[str, Any], module: JaxModule, twin: torch.nn.Module) -> Any:
+    """Writes the torch weights and the config beside a checkpoint."""
+
+    def on_save(directory: Path) -> None:
+        if not distributed.is_main():  # the same gathers (collectives) as process 0's export
+            module.torch_state_dict(twin)
+            return
+        export_module(module, twin, directory / "export" / "model.safetensors")
+        OmegaConf.save(OmegaConf.create(resolved), directory / "config.yaml")
+
+    return on_save
+
+
+def resume_path(resume: str | None, ckpt_dir: str) -> str | None:
+    """The checkpoint to resume from: None (a new run), the newest intact one, or a path.
+
+    Example:
+        >>> resume_path(None, "checkpoints") is None
+        True
+    """
+    if resume in (None, "", "null"):
+        return None
+    if resume == "last":
+        found = latest_checkpoint(ckpt_dir)
+        if found is None:
+            print(
+                f"coreshell: resume=last but no intact checkpoint in {ckpt_dir}: "
+                "starting a new run."
+            )
+        return None if found is None else str(found)
+    problem = verify(Path(resume))
+    if problem is not None:
+        raise CheckpointError(
+            f"resume={resume} is not an intact checkpoint: {problem}. Fix: pass a "
+            f"checkpoint directory, or resume=last to take the newest intact one in "
+            f"ckpt.dir ({ckpt_dir})."
+        )
+    return str(resume)
+
+
+def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
+    """Runs one training job from a typed config; returns the run's summary.
+
+    Args:
+        cfg: the typed config (:func:`torchshell.app.config.typed`).
+        out_dir: the run directory (Hydra's output directory).
+
+    Returns:
+        ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
+    """
+    run = prepare_run(cfg)
+    resolved = plain(cfg)
+    if run.main:  # the run directory is complete for `coreshell export RUN_DIR`
+        out_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(resolved), out_dir / "config.yaml")
+        console.config_line(cfg, run)
+    data, module, twin = build(cfg)
+    if cfg.step.dump_hlo and run.main:
+        module.hlo_dump_dir = out_dir / "hlo"
+    ckpt_path = resume_path(cfg.resume, cfg.ckpt.dir)
+    logger = None
+    if run.main:
+        logger = AsyncMLflowLogger(
+            cfg.tracking.experiment,
+            tracking_uri=cfg.tracking.uri,
+            run_name=cfg.tracking.run_name,
+            tags=run_tags(module.mesh),
+            spill_dir=out_dir / "tracking",
+        )
+        logger.log_config(resolved)
+    interval = cfg.tracking.system_metrics_interval_s
+    system = SystemMetrics(logger, interval_s=interval) if logger and interval else None
+    trainer, sigterm = _make_trainer(cfg, resolved, module, twin, logger, out_dir, run.main)
+    status = "FAILED"
+    try:
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            status = "KILLED"
+            print(
+                f"coreshell: SIGTERM received; saved checkpoint {sigterm.saved}. "
+                f"Continue with: coreshell train resume=last ckpt.dir={cfg.ckpt.dir}"
+            )
+            raise SystemExit(0) from None
+        except jaxcore.NonFiniteError as err:
+            print(
+                f"coreshell: stopped: {err}\nThe newest checkpoint in {cfg.ckpt.dir} holds "
+                "the last good state.",
+                file=sys.stderr,
+            )
+            raise SystemExit(1) from None
+        metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
+        if cfg.test_after_fit:
+            trainer.test(module, datamodule=data, verbose=False)
+            metrics |= {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
+        if module.state is None:
+            raise ConfigError(
+                "Training ran no step, so there is nothing to export. Fix: check "
+                "trainer.max_steps/limit_train_batches and that the data set is "
+                "not empty."
+            )
+        if logger is None:
+            return _follow_main(cfg, data, module, twin, metrics)
+        if run.cache is not None:
+            logger.log_metrics(
+                {"compile/cache_hits": run.cache.hits, "compile/cache_misses": run.cache.misses},
+                step=trainer.global_step,
+            )
+        result = publish(
+            logger,
+            module,
+            twin,
+            data,
+            out_dir,
+            inputs=list(cfg.model.inputs),
+            register_as=cfg.tracking.register_as,
+            step=trainer.global_step,
+        )
+        status = "FINISHED"
+    finally:
+        if system is not None:
+            system.stop()
+        report = logger.close(status) if logger is not None else None
+    if report is None:  # only process 0 has a logger, and it returned above otherwise
+        raise RuntimeError("process 0 ended without a tracking report")
+    console.end_summary(cfg, run, report, metrics, result)
+    return {"run_id": report.run_id, "tracking_uri": cfg.tracking.uri, "metrics": metrics, **result}
+
+
+def _trainer_args(trainer: TrainerConfig, main: bool) -> dict[str, Any]:
+    args = plain(trainer)
+    args["enable_model_summary"] = False  # Lightning's sees no torch params; ours prints
+    args["enable_progress_bar"] = trainer.enable_progress_bar and main
+    return args
+
+
+def _make_trainer(
+    cfg: Config,
+    resolved: dict[str, Any],
+    module: JaxModule,
+    twin: torch.nn.Module,
+    logger: Any,
+    out_dir: Path,
+    main: bool,
+) -> tuple[L.Trainer, CheckpointOnSigterm]:
+    """The real ``lightning.Trainer`` with Orbax checkpoints on the configured schedule."""
+    checkpointing = cfg.ckpt.every_n_steps > 0
+    sigterm = CheckpointOnSigterm(cfg.ckpt.dir)
+    callbacks: list[L.Callback] = [sigterm]
+    if checkpointing:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=cfg.ckpt.dir,
+                monitor="step",
+                mode="max",
+                save_top_k=cfg.ckpt.keep,
+                every_n_train_steps=cfg.ckpt.every_n_steps,
+            )
+        )
+    args = _trainer_args(cfg.trainer, main)
+    if args["enable_progress_bar"]:
+        callbacks.append(console.progress_bar())
+    ckpt_io = OrbaxCheckpointIO(
+        lambda: module.state, module.restore_from, _export_hook(resolved, module, twin)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=logger or False,
+        callbacks=callbacks,
+        plugins=[ckpt_io],
+        enable_checkpointing=checkpointing,
+        default_root_dir=str(out_dir),
+        **args,
+    )
+    return trainer, sigterm
+
+
+def _follow_main(
+    cfg: Config, data: Any, module: JaxModule, twin: torch.nn.Module, metrics: dict[str, Any]
+) -> dict[str, Any]:
+    """A process > 0 after fit: joins process 0's collectives (export gather, parity
+    predict) in the same order, and leaves logging and files to process 0."""
+    module.torch_state_dict(twin)
+    predict_test_split(module, data)
+    return {"run_id": None, "tracking_uri": cfg.tracking.uri, "export": None, "metrics": metrics}
+
+
+__all__ = ["Prepared", "resume_path", "train"]
