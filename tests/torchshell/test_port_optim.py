@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lightning as L
 import numpy as np
+import optax
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.optim import lr_scheduler as S
+from torch.utils.data import DataLoader, TensorDataset
 
 from tests.torchshell import port_helpers as H
 from torchshell._errors import ConfigError
@@ -347,3 +353,107 @@ def test_torch_clip_identity_only_and_errors() -> None:
         torch_clip(1.0, "bogus")
     with pytest.raises(ConfigError, match=r">= 0.*-1.0"):
         torch_clip(-1.0, "value")
+
+
+# --- against a real Lightning Trainer -------------------------------------------------------
+
+
+class Tiny(L.LightningModule):
+    """A plain LightningModule: tuple batches, a torch loss, the optimizer setup of ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.net = H.net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        weights = [self.net[0].weight, self.net[2].weight]
+        biases = [self.net[0].bias, self.net[2].bias]
+        if self.kind == "adamw-onecycle":
+            opt = torch.optim.AdamW(
+                [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
+                lr=1e-2,
+            )
+            sched = S.OneCycleLR(opt, max_lr=[0.05, 0.02], total_steps=H.N_STEPS)
+            return [opt], [{"scheduler": sched, "interval": "step"}]
+        opt = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-3)
+        return {"optimizer": opt, "lr_scheduler": S.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+class Recorder(L.Callback):
+    """Records, per optimizer step, each group's lr and the gradients Lightning computed."""
+
+    def __init__(self) -> None:
+        self.lrs: list[list[float]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.lrs.append([g["lr"] for g in trainer.optimizers[0].param_groups])
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, opt: Any) -> None:
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+
+def _fit(kind: str, tmp_path: Path, **trainer_kwargs: Any) -> tuple[Tiny, Recorder, Any]:
+    x, y = H.batches(1)[0]  # 16 samples, batches of 6: 3 steps per epoch, a ragged last one
+    loader = DataLoader(TensorDataset(x, y), batch_size=6)
+    module, recorder = Tiny(kind), Recorder()
+    monitor = LearningRateMonitor(logging_interval="step")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        max_steps=H.N_STEPS,
+        callbacks=[recorder, monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, loader)
+    return module, recorder, monitor
+
+
+@pytest.mark.parametrize(
+    ("kind", "clip", "description"),
+    [
+        ("adamw-onecycle", {}, "AdamW (2 param groups) + OneCycleLR per step"),
+        ("sgd-steplr", {"gradient_clip_val": 0.05}, "SGD + StepLR per epoch"),
+    ],
+)
+def test_against_lightning_trainer(
+    kind: str, clip: dict[str, Any], description: str, tmp_path: Path
+) -> None:
+    twin = Tiny(kind)  # same seed: the weights Lightning started from
+    named = dict(twin.named_parameters())
+    params0 = H.to_jax(named)
+    mapped = map_configure_optimizers(
+        twin.configure_optimizers(), named, steps_per_epoch=3, total_steps=H.N_STEPS
+    )
+    module, recorder, monitor = _fit(kind, tmp_path, **clip)
+    assert mapped.description == description
+    assert len(recorder.grads) == H.N_STEPS
+    if clip:  # the clip bites: Lightning's gradients are longer than gradient_clip_val
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in recorder.grads[0].values()]))
+        assert norm > 2 * clip["gradient_clip_val"]
+    # the lr of every step, and LearningRateMonitor's names and values
+    ours = [[float(mapped.lrs(t)[n]) for n in mapped.lr_names] for t in range(H.N_STEPS)]
+    np.testing.assert_allclose(ours, recorder.lrs, rtol=1e-6)
+    assert set(monitor.lrs) == set(mapped.lr_names)
+    for name in mapped.lr_names:
+        np.testing.assert_allclose(
+            [float(mapped.lrs(t)[name]) for t in range(H.N_STEPS)], monitor.lrs[name], rtol=1e-6
+        )
+    # Lightning's own gradients through (clip +) tx land on Lightning's final weights
+    tx = optax.chain(
+        torch_clip(clip.get("gradient_clip_val"), "norm", only=mapped.param_names), mapped.tx
+    )
+    final = H.jax_replay(tx, params0, recorder.grads)[-1]
+    trained = {n: p.detach() for n, p in module.named_parameters()}
+    assert H.max_rel_err([trained], [final]) < (1e-4 if kind.startswith("adam") else 1e-5)
+    assert H.max_rel_err([{n: t.detach() for n, t in named.items()}], [final]) > 1e-3  # it trained
