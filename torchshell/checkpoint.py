@@ -9,15 +9,21 @@ Each checkpoint is a directory written atomically (a temporary directory, then a
         export/model.safetensors, config.yaml   written by an ``on_save`` hook, if any
         manifest.json     sha256 of every file above, written last
 
-With several JAX processes (``torchshell.distributed``) every process writes its shards of the
-state into the same directory; process 0 writes the other files and commits the rename.
+Saves are asynchronous (one JAX process): the state is first copied on its devices (the
+next train step donates the state's buffers, so the write must own its copy), Orbax writes
+the copy in the background, and a commit thread writes the manifest and renames the
+directory when Orbax is done; the step loop goes on meanwhile. The next save, a removal of
+the checkpoint being written, the end of fit and every reader in this process (``verify``,
+``latest_checkpoint``) wait for it. A kill at any point leaves ``.tmp-*``/``.old-*``
+directories no reader picks; the next run's start sweeps them.
+
+With several JAX processes (``torchshell.distributed``) saves are synchronous: every process
+writes its shards of the state into the same directory; process 0 writes the other files and
+commits the rename.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -31,11 +37,13 @@ from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+import bridge
+from torchshell import _checkpoint_files as files
+from torchshell._checkpoint_async import Pending, device_copy, join_in_flight
 from torchshell._errors import CheckpointError
 from torchshell.distributed import barrier, is_main
 
-MANIFEST = "manifest.json"
-_STEP = re.compile(r"step=(\d+)")
+MANIFEST = files.MANIFEST
 
 
 def _is_key(x: Any) -> bool:
@@ -48,7 +56,7 @@ def _savable(tree: Any) -> Any:
 
 
 def save_state(directory: Path, state: Any) -> None:
-    """Saves a JAX pytree with Orbax (sharded arrays written by their owners)."""
+    """Saves a JAX pytree with Orbax (sharded arrays written by their owners), synchronously."""
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory.absolute(), _savable(state))
         ckptr.wait_until_finished()
@@ -56,12 +64,7 @@ def save_state(directory: Path, state: Any) -> None:
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        "/".join(
-            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
-        ): tuple(leaf.shape)
-        for path, leaf in flat
-    }
+    return {bridge.path_str(path): tuple(leaf.shape) for path, leaf in flat}
 
 
 def _tree_diff(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str:
@@ -109,51 +112,21 @@ def restore_state(directory: Path, template: Any) -> Any:
     )
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+# -- reading --------------------------------------------------------------------------------
 
 
 def verify(directory: Path) -> str | None:
-    """Why ``directory`` is not a complete, intact checkpoint; ``None`` when it is."""
-    manifest = directory / MANIFEST
-    if not manifest.is_file():
-        return "no manifest.json (incomplete write)"
-    try:
-        expected = json.loads(manifest.read_text())
-    except json.JSONDecodeError:
-        return "manifest.json is not valid JSON"
-    found = {str(p.relative_to(directory)): p for p in _files(directory)}
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        return f"missing files {missing}"
-    bad = [name for name, digest in expected.items() if _digest(found[name]) != digest]
-    return f"checksum mismatch in {bad}" if bad else None
+    """Why ``directory`` is not a complete, intact checkpoint; ``None`` when it is.
 
+    A save of it in flight in this process is waited for first.
 
-def _hide(path: Path) -> Path | None:
-    """Renames ``path`` to a hidden name no reader picks (one atomic step); ``None`` if absent."""
-    trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        path.replace(trash)
-    except FileNotFoundError:
-        return None
-    return trash
-
-
-def _discard(path: Path) -> None:
-    """Deletes a checkpoint so that a kill at any point leaves it whole or out of sight: the
-    rename hides it first (a bare ``rmtree`` killed midway leaves half a checkpoint)."""
-    trash = _hide(path)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    Example:
+        >>> import tempfile
+        >>> verify(Path(tempfile.mkdtemp()))
+        'no manifest.json (incomplete write)'
+    """
+    join_in_flight(Path(directory).parent)
+    return files.problem_of(Path(directory))
 
 
 def latest_checkpoint(directory: str | Path, *, log: Callable[[str], None] = print) -> Path | None:
@@ -165,23 +138,43 @@ def latest_checkpoint(directory: str | Path, *, log: Callable[[str], None] = pri
         True
     """
     root = Path(directory)
-    if not root.is_dir():
-        return None
-    candidates = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and _STEP.search(p.name) and not p.name.startswith(".")
-    ]
-    for path in sorted(
-        candidates,
-        key=lambda p: int(_STEP.search(p.name).group(1)),  # type: ignore[union-attr]
-        reverse=True,
-    ):
-        problem = verify(path)
+    join_in_flight(root)
+    for path in files.candidates(root):
+        problem = files.problem_of(path)
         if problem is None:
             return path
         log(f"coreshell: skipping checkpoint {path}: {problem}; trying the previous one.")
     return None
+
+
+def sweep_leftovers(directory: str | Path, *, log: Callable[[str], None] = print) -> list[Path]:
+    """Removes the ``.tmp-*``/``.old-*`` leftovers a killed save or removal left behind.
+
+    Only for the one run that writes ``directory`` (at its start): another process's save in
+    progress there would be removed too.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / ".tmp-epoch=0-step=10.ckpt-1a2b").mkdir()
+        >>> [p.name for p in sweep_leftovers(root, log=lambda _: None)]
+        ['.tmp-epoch=0-step=10.ckpt-1a2b']
+    """
+    root = Path(directory)
+    join_in_flight(root)
+    return files.sweep(root, log=log)
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+def _write_error(err: OSError, final: Path) -> CheckpointError:
+    previous = latest_checkpoint(final.parent, log=lambda _: None)
+    return CheckpointError(
+        f"Writing checkpoint {final.name} failed: {err.strerror or err}. Nothing partial was "
+        f"left; the newest intact checkpoint is {previous if previous is not None else 'none'}. "
+        f"Fix: free space on {final.parent}, lower ckpt.keep, or move ckpt.dir."
+    )
 
 
 class OrbaxCheckpointIO(CheckpointIO):
@@ -192,6 +185,8 @@ class OrbaxCheckpointIO(CheckpointIO):
         set_restore: receives the Orbax directory to restore the JAX state from.
         on_save: called with the temporary directory before commit, to add files
             (e.g. the exported torch weights and the config).
+        async_save: write the state in the background (one JAX process; with several the
+            saves are synchronous).
     """
 
     def __init__(
@@ -199,32 +194,87 @@ class OrbaxCheckpointIO(CheckpointIO):
         get_state: Callable[[], Any],
         set_restore: Callable[[Path], None],
         on_save: Callable[[Path], None] | None = None,
+        *,
+        async_save: bool = True,
     ) -> None:
         self.get_state = get_state
         self.set_restore = set_restore
         self.on_save = on_save
+        self.async_save = async_save
+        self._ckptr: ocp.StandardCheckpointer | None = None
+        self._pending: Pending | None = None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         """Writes the checkpoint directory; with several JAX processes every one calls it.
 
-        Orbax writes the (sharded) state from every process into one directory, so the
-        temporary directory has the same name everywhere; ``on_save`` runs on every process
-        too (it may gather sharded params, a collective) and writes files on process 0 only.
-        Process 0 alone writes ``lightning.pt`` and the manifest and renames the directory,
-        between barriers.
+        Asynchronously (one process): returns once the state is copied and Orbax's write is
+        started, ``on_save`` has run and ``lightning.pt`` is written; the commit follows in
+        the background. Synchronously (several processes): Orbax writes the (sharded) state
+        from every process into one directory, so the temporary directory has the same name
+        everywhere; ``on_save`` runs on every process too (it may gather sharded params, a
+        collective) and writes files on process 0 only. Process 0 alone writes
+        ``lightning.pt`` and the manifest and renames the directory, between barriers.
         """
+        final = Path(path)
+        self.wait_until_finished()
+        join_in_flight(final.parent)  # another writer's save of this directory
         try:
-            self._save(checkpoint, Path(path))
+            if self.async_save and jax.process_count() == 1:
+                self._save_async(checkpoint, final)
+            else:
+                self._save(checkpoint, final)
         except OSError as err:
-            previous = latest_checkpoint(Path(path).parent, log=lambda _: None)
+            raise _write_error(err, final) from err
+
+    def wait_until_finished(self) -> None:
+        """Waits for the save in flight, if any, to be committed.
+
+        Raises:
+            CheckpointError: the background write or commit failed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.thread.join()
+        if isinstance(pending.error, OSError):
+            raise _write_error(pending.error, pending.final) from pending.error
+        if pending.error is not None:
             raise CheckpointError(
-                f"Writing checkpoint {Path(path).name} failed: {err.strerror or err}. Nothing "
-                "partial was left; the newest intact checkpoint is "
-                f"{previous if previous is not None else 'none'}. Fix: free space on "
-                f"{Path(path).parent}, lower ckpt.keep, or move ckpt.dir."
-            ) from err
+                f"Writing checkpoint {pending.final.name} in the background failed: "
+                f"{pending.error!r}. Nothing partial was left. Fix: see the cause above."
+            ) from pending.error
+
+    def teardown(self) -> None:
+        """End of fit (Lightning calls it): waits for the save in flight."""
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._ckptr is not None:
+                self._ckptr.close()
+                self._ckptr = None
+
+    def _save_async(self, checkpoint: dict[str, Any], final: Path) -> None:
+        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        if self._ckptr is None:
+            self._ckptr = ocp.StandardCheckpointer()
+        snapshot = device_copy(_savable(self.get_state()))
+        try:
+            self._ckptr.save((tmp / "state").absolute(), snapshot)
+            if self.on_save is not None:
+                self.on_save(tmp)
+            torch.save(checkpoint, tmp / "lightning.pt")
+        except BaseException:
+            try:
+                self._ckptr.wait_until_finished()
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._pending = Pending(tmp, final, self._ckptr, snapshot)
+        self._pending.start()
 
     def _save(self, checkpoint: dict[str, Any], final: Path) -> None:
         multi = jax.process_count() > 1
@@ -243,12 +293,7 @@ class OrbaxCheckpointIO(CheckpointIO):
             barrier(f"coreshell-ckpt-written-{final.name}")
             if main:
                 torch.save(checkpoint, tmp / "lightning.pt")
-                digests = {str(p.relative_to(tmp)): _digest(p) for p in _files(tmp)}
-                (tmp / MANIFEST).write_text(json.dumps(digests, indent=1))
-                trash = _hide(final)
-                tmp.replace(final)
-                if trash is not None:
-                    shutil.rmtree(trash, ignore_errors=True)
+                files.commit(tmp, final)
             barrier(f"coreshell-ckpt-done-{final.name}")
         finally:
             if main and tmp.exists():
@@ -258,6 +303,7 @@ class OrbaxCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         directory = Path(path)
+        self.wait_until_finished()
         problem = verify(directory)
         if problem is not None:
             raise CheckpointError(
@@ -269,19 +315,36 @@ class OrbaxCheckpointIO(CheckpointIO):
         return checkpoint  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
-        if is_main():  # every process is Lightning's "global zero" of its own run
-            _discard(Path(path))
+        """Hides, then deletes a checkpoint (Lightning's ``ckpt.keep``); one being written is
+        finished first, an older one waits until the save in flight is committed."""
+        if not is_main():  # every process is Lightning's "global zero" of its own run
+            return
+        target = Path(path)
+        pending = self._pending
+        if pending is not None and pending.final == target:
+            self.wait_until_finished()
+        elif pending is not None and pending.defer_removal(target):
+            return
+        files.discard(target)
 
 
 class CheckpointOnSigterm(Callback):
-    """On SIGTERM (Lightning stops after the current batch), saves a checkpoint first."""
+    """Sweeps leftovers of killed saves at the start of fit; on SIGTERM (Lightning stops
+    after the current batch), saves a checkpoint and waits for it to be committed."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.saved: Path | None = None
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and is_main():
+            sweep_leftovers(self.directory)
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and pl_module.state is not None:
             path = self.directory / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
+            io = trainer.strategy.checkpoint_io
+            if isinstance(io, OrbaxCheckpointIO):
+                io.wait_until_finished()
             self.saved = path
