@@ -126,6 +126,7 @@ def make_train_step(
     compute_dtype: Any = None,
     nan_policy: str = "none",
     stacked_micro: bool = False,
+    grad_scale: float = 1.0,
 ) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -153,6 +154,9 @@ def make_train_step(
         stacked_micro: with ``accum_steps=m``, the batch already holds its m micro-batches
             on a leading axis (``[m, B, ...]``, e.g. m DataLoader batches stacked for
             Lightning's ``accumulate_grad_batches``) instead of being split by rows.
+
+        grad_scale: multiplies the mean gradient before the update (Lightning's last,
+            short accumulation window: ``k / accumulate_grad_batches``).
 
     The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
     ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
@@ -225,6 +229,8 @@ def make_train_step(
             )
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
+        if grad_scale != 1.0:
+            grads = jax.tree.map(lambda g: g * grad_scale, grads)
         loss = loss_sum / denom
         metrics = {"loss": loss, **{name: v / denom for name, v in sums.items()}}
 

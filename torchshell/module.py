@@ -3,37 +3,36 @@
 from __future__ import annotations
 
 import contextlib
-import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import lightning as L
-import numpy as np
 import optax
 import torch
-from flax.errors import FlaxError
 from jax.sharding import Mesh
 
 import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
+from torchshell import _state_io
+from torchshell._batches import check_fields, name_batch, rows, signature
 from torchshell._errors import ConfigError
+from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
+from torchshell._train_log import TrainLog, find_lrs, fresh
 from torchshell.checkpoint import restore_state
 from torchshell.summary import param_summary
 
-
-def _signature(batch: Batch) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Per-row shape and dtype of every field (what a compiled step is specialised on)."""
-    return {name: (tuple(t.shape[1:]), t.dtype) for name, t in batch.items()}
-
-
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Mapping[str, torch.Tensor]
+
+# Lightning warns that a manual-optimization checkpoint holds the state *after* the optimizer
+# step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
+_AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
 
 class JaxModule(L.LightningModule):
@@ -48,19 +47,25 @@ class JaxModule(L.LightningModule):
     per K steps. Metrics stay on device and are fetched only every ``log_every_n_steps``
     optimizer steps, where they go to the loggers, the progress bar and the callbacks.
 
+    Batches come as the DataLoader yields them: a dict of tensors, or a list/tuple (a
+    ``TensorDataset``) whose positions ``batch_keys`` names (``x``, ``y`` by default).
+    The Trainer's ``precision``, ``accumulate_grad_batches`` and ``gradient_clip_val`` are
+    carried out in the JAX step (see :mod:`torchshell._flags`).
+
     Args:
         model: a Flax linen module, or :class:`jaxcore.ModelFns`.
         loss_fn: ``(outputs, batch) -> (loss[B], {name: metric[B]})``.
         optimizer: an optax ``GradientTransformation`` (e.g. :func:`jaxcore.make_optimizer`).
         mesh: the device mesh; every device on one ``data`` axis by default.
-        inputs: batch keys a linen module reads.
+        inputs: batch keys (or positions of a tuple batch) a linen module reads.
+        batch_keys: names of the positions of a list/tuple batch.
         seed: seeds the params and the step's rng.
         sharding: a partition preset of :data:`jaxcore.PRESETS` (``dp``, ``fsdp``, ``tp``...).
         rules: explicit ``[(regex, PartitionSpec)]`` rules tried before the preset's.
         data_axis: the mesh axis the batch is split over.
         model_axis: the tensor-parallel mesh axis.
         steps_per_call: optimizer steps per Lightning step (K stacked batches in one call).
-        accum_steps: micro-batches per optimizer step (gradient accumulation).
+        accum_steps: micro-batches per optimizer step (gradient accumulation within a batch).
         compute_dtype: ``"float32"`` or ``"bfloat16"`` for the forward/backward pass.
         nan_policy: ``"stop"``, ``"skip"`` or ``"none"`` (see :mod:`jaxcore.guard`).
         hlo_dump_dir: write the train step's jaxpr/StableHLO/HLO here at its first compile.
@@ -84,10 +89,11 @@ class JaxModule(L.LightningModule):
         self,
         model: nn.Module | ModelFns,
         loss_fn: LossFn,
-        optimizer: optax.GradientTransformation,
+        optimizer: optax.GradientTransformation | None,
         *,
         mesh: Mesh | None = None,
-        inputs: Sequence[str] = ("x",),
+        inputs: Sequence[str | int] = ("x",),
+        batch_keys: Sequence[str] = ("x", "y"),
         seed: int = 0,
         sharding: str | None = "dp",
         rules: Sequence[Any] | None = None,
@@ -107,9 +113,9 @@ class JaxModule(L.LightningModule):
                 f"{accum_steps}. Fix: use 1 to turn either off."
             )
         self.automatic_optimization = False
-        self.model_fns = (
-            model if isinstance(model, ModelFns) else jaxcore.linen_model(model, inputs)
-        )
+        self.batch_keys = tuple(batch_keys)
+        names = [self._input_name(i) for i in inputs]
+        self.model_fns = model if isinstance(model, ModelFns) else jaxcore.linen_model(model, names)
         self.loss_fn = loss_fn
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else jaxcore.make_mesh({data_axis: -1})
@@ -133,17 +139,29 @@ class JaxModule(L.LightningModule):
         self.transfer_stats = bridge.new_stats()
         self.compile_stats: jaxcore.CompileStats | None = None
         self.summary = ""
+        self.flags = TrainerFlags()
+        self._flag_originals: dict[str, Any] | None = None
         self._train_step: jaxcore.Step | None = None
+        self._short_steps: dict[int, jaxcore.Step] = {}  # a short last accumulation window
         self._eval_step: jaxcore.Step | None = None
         self._predict_step: jaxcore.Step | None = None
         self._eval_sums: dict[str, jax.Array] | None = None
         self._restore_dir: Path | None = None
-        self._last_log: tuple[float, int] | None = None
-        self._wait = 0.0  # seconds spent waiting for data since the last log
-        self._compute = 0.0  # seconds in the bridge + step dispatch since the last log
-        self._batch_end: float | None = None
-        self._pending: tuple[dict[str, jax.Array], dict[str, float], int] | None = None
+        self._restore_tensors: dict[str, torch.Tensor] | None = None
+        self._window: list[Any] = []  # batches of the current accumulation window
         self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._quiet: contextlib.ExitStack | None = None
+        self.train_log = TrainLog(self._emit)
+
+    def _input_name(self, key: str | int) -> str:
+        if isinstance(key, int):
+            if not 0 <= key < len(self.batch_keys):
+                raise ConfigError(
+                    f"inputs position {key} is outside batch_keys {self.batch_keys}. Fix: "
+                    "name every position of the DataLoader's tuples in batch_keys=(...)."
+                )
+            return self.batch_keys[key]
+        return key
 
     @classmethod
     def from_torch(
@@ -152,7 +170,7 @@ class JaxModule(L.LightningModule):
         loss_fn: LossFn,
         optimizer: optax.GradientTransformation,
         *,
-        inputs: Sequence[str] = ("x",),
+        inputs: Sequence[str | int] = ("x",),
         **kwargs: Any,
     ) -> JaxModule:
         """A :class:`JaxModule` training a team's own ``nn.Module``, traced by torchax.
@@ -163,9 +181,31 @@ class JaxModule(L.LightningModule):
         """
         from torchshell.torch_model import torch_model_fns
 
-        jm = cls(torch_model_fns(module, inputs), loss_fn, optimizer, inputs=inputs, **kwargs)
+        keys = tuple(kwargs.get("batch_keys", ("x", "y")))
+        names = [keys[i] if isinstance(i, int) else i for i in inputs]
+        jm = cls(torch_model_fns(module, names), loss_fn, optimizer, inputs=names, **kwargs)
         object.__setattr__(jm, "torch_module", module)  # not a submodule: no torch params
         return jm
+
+    @classmethod
+    def from_lightning(cls, module: L.LightningModule, **kwargs: Any) -> JaxModule:
+        """The team's own ``LightningModule``, unchanged, as the JAX core.
+
+        Its ``training_step`` (forward, torch loss, ``self.log``) is traced by torchax into
+        the jitted, sharded step; ``validation_step``/``test_step``/``predict_step`` the same
+        way for the eval loops; ``configure_optimizers`` is mapped onto optax with torch's
+        update math. Checkpoints hold the trained weights in the module's own layout, so
+        ``type(module).load_from_checkpoint(path)`` works in plain Lightning. See
+        :mod:`torchshell.port` and docs/porting.md.
+
+        Args:
+            module: the user's ``LightningModule`` (automatic optimization).
+            **kwargs: :class:`JaxModule` options (``mesh``, ``sharding``, ``optimizer=`` an
+                optax transform instead of ``configure_optimizers``, ...).
+        """
+        from torchshell.port import LightningJaxModule
+
+        return LightningJaxModule(module, **kwargs)
 
     def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
@@ -185,20 +225,100 @@ class JaxModule(L.LightningModule):
             {"params": self.state.params, **self.state.model_state}, twin
         )
 
-    # -- state ---------------------------------------------------------------------------
+    # -- the Trainer's flags (read when Lightning attaches the module) ----------------------
+    @property  # type: ignore[override]
+    def trainer(self) -> L.Trainer:
+        return L.LightningModule.trainer.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @trainer.setter
+    def trainer(self, trainer: L.Trainer | None) -> None:
+        L.LightningModule.trainer.fset(self, trainer)  # type: ignore[attr-defined]
+        if trainer is not None and self._flag_originals is None:
+            flags, self._flag_originals = adopt_flags(trainer)
+            self._adopt(flags)
+
+    def _adopt(self, flags: TrainerFlags) -> None:
+        if flags.compute_dtype is not None and self.compute_dtype not in (
+            None,
+            flags.compute_dtype,
+        ):
+            raise ConfigError(
+                f"Trainer(precision=...) asks for {flags.compute_dtype} compute but the "
+                f"module was built with compute_dtype={self.compute_dtype!r}. Fix: set one "
+                "of the two."
+            )
+        if flags != self.flags:
+            self._train_step = self._eval_step = self._predict_step = None
+            self._short_steps = {}
+        if self.flags.clip_val != flags.clip_val and self.state is not None:
+            raise ConfigError(
+                "gradient_clip_val changed after the optimizer state was built. Fix: use "
+                "the same Trainer flags for every fit of one module."
+            )
+        self.flags = flags
+
+    @property
+    def _compute_dtype(self) -> str | None:
+        return self.compute_dtype or self.flags.compute_dtype
+
+    def setup(self, stage: str) -> None:
+        # (see _AFTER_STEP_WARNING); scoped to this run, undone in teardown
+        self._quiet = contextlib.ExitStack()
+        self._quiet.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=_AFTER_STEP_WARNING, category=UserWarning)
+
+    def teardown(self, stage: str) -> None:
+        if self._quiet is not None:
+            self._quiet.close()
+            self._quiet = None
+        if self._flag_originals is not None and self._trainer is not None:
+            restore_flags(self.trainer, self._flag_originals)
+        self._flag_originals = None
+
+    def configure_optimizers(self) -> Any:
+        """No torch optimizer: the optax optimizer runs inside the JAX step."""
+        return []  # (an empty list, unlike None, is a valid "no optimizer" for Lightning)
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optax transform the step applies: the Trainer's clipping, then ``tx``."""
+        if self.tx is None:
+            raise ConfigError(
+                "JaxModule needs an optax optimizer. Fix: pass optimizer=... (e.g. "
+                "jaxcore.make_optimizer(lr=1e-3))."
+            )
+        if self.flags.clip_val is None:
+            return self.tx
+        from torchshell.port import torch_clip
+
+        return optax.chain(torch_clip(self.flags.clip_val, self.flags.clip_algorithm), self.tx)
+
+    # -- hand-over ---------------------------------------------------------------------------
+    def _prepare(self, batch: Any) -> Any:
+        """The batch as the model reads it: named fields for the Flax path."""
+        return name_batch(batch, self.batch_keys)
+
     def _global_rows(self, batch: Batch) -> int:
         """Rows of the padded global batch: the batch rounded up to the data axis."""
-        n = next(iter(batch.values())).shape[0]
         ways = self.mesh.shape[self.data_axis]
-        return -(-n // ways) * ways
+        return -(-rows(batch) // ways) * ways
 
-    def _to_jax(self, batch: Batch, rows: int) -> dict[str, jax.Array]:
-        return bridge.to_jax(batch, self.batch_sharding, pad_to=rows, stats=self.transfer_stats)
+    def _to_jax(self, batch: Batch, rows_: int | None = None) -> Any:
+        rows_ = self._global_rows(batch) if rows_ is None else rows_
+        return bridge.to_jax(batch, self.batch_sharding, pad_to=rows_, stats=self.transfer_stats)
 
-    def _stacked(self, batch: Batch) -> dict[str, jax.Array]:
-        """A ``K * B``-row batch viewed as ``[K, B, ...]`` (no copy) and handed over."""
+    def _stack(self, batches: list[Any]) -> Any:
+        """m batches of one window as ``[m, B, ...]`` (padded to the first one's rows)."""
+        n = self._global_rows(batches[0])
+        padded = [bridge.pad_batch(b, n) for b in batches]
+        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
+        return bridge.to_jax(stacked, self.stacked_sharding, stats=self.transfer_stats)
+
+    def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
+        """``(jax batch, one step's torch batch, rows per step)`` for K steps per call."""
         k = self.steps_per_call
-        n = next(iter(batch.values())).shape[0]
+        if k == 1:
+            return self._to_jax(batch), batch, self._global_rows(batch)
+        n = rows(batch)
         ways = self.mesh.shape[self.data_axis]
         if n % k or (n // k) % ways:
             raise ConfigError(
@@ -207,16 +327,23 @@ class JaxModule(L.LightningModule):
                 f"to {k} x (a multiple of {ways}) and drop_last=True for training."
             )
         views = {name: t.view(k, n // k, *t.shape[1:]) for name, t in batch.items()}
-        return bridge.to_jax(views, self.stacked_sharding, stats=self.transfer_stats)
+        jbatch = bridge.to_jax(views, self.stacked_sharding, stats=self.transfer_stats)
+        return jbatch, {name: t[: n // k] for name, t in batch.items()}, n // k
 
-    def init_state(self, batch: Batch) -> TrainState:
+    def _batch_check(self, batch: Any) -> contextlib.AbstractContextManager[None]:
+        return check_fields(self._fields, batch)
+
+    def _sample(self, batch: Any) -> Any:
+        """A JAX batch with one step's shapes, to build the state from."""
+        return self._to_jax(batch)
+
+    def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
         if self.state is None:
-            sample = self._to_jax(batch, self._global_rows(batch))
             state = jaxcore.init_train_state(
                 self.model_fns,
-                self.tx,
-                sample,
+                self.optimizer(),
+                self._sample(batch),
                 seed=self.seed,
                 mesh=self.mesh,
                 param_shardings=self.shard_fn,
@@ -224,8 +351,12 @@ class JaxModule(L.LightningModule):
             if self._restore_dir is not None:
                 state = restore_state(self._restore_dir, state)
                 self._restore_dir = None
+            if self._restore_tensors is not None:
+                state = _state_io.state_from_tensors(self._restore_tensors, state)
+                self._restore_tensors = None
             self.state = state
-            self._fields = _signature(batch)
+            if isinstance(batch, Mapping):
+                self._fields = signature(batch)
             self.summary = param_summary(state.params)
             if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
                 print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
@@ -233,129 +364,118 @@ class JaxModule(L.LightningModule):
 
     # -- training ------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._batch_end is not None:
-            self._wait += time.perf_counter() - self._batch_end
+        self.train_log.batch_started()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._batch_end = time.perf_counter()
+        self.train_log.batch_ended()
 
-    def training_step(self, batch: Batch, batch_idx: int) -> None:
-        t0 = time.perf_counter()
-        k = self.steps_per_call
-        if k == 1:
-            jbatch = self._to_jax(batch, self._global_rows(batch))
-            self.init_state(batch)
-        else:
-            jbatch = self._stacked(batch)
-            n = next(iter(batch.values())).shape[0] // k
-            self.init_state({name: t[:n] for name, t in batch.items()})
+    def _make_train_step(self, micro: int, grad_scale: float = 1.0) -> jaxcore.Step:
         assert self.state is not None
+        window = self.flags.accumulate > 1
+        return jaxcore.make_train_step(
+            self.model_fns,
+            self.loss_fn,
+            self.optimizer(),
+            state_sharding=jaxcore.state_shardings(self.state),
+            batch_sharding=None,  # the arrays' own (placed by the bridge)
+            steps_per_call=1 if window else self.steps_per_call,
+            accum_steps=micro if window else self.accum_steps,
+            stacked_micro=window,
+            grad_scale=grad_scale,
+            compute_dtype=self._compute_dtype,
+            nan_policy=self.nan_policy,
+        )
+
+    def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
+        """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
+        self._window.append(batch)
+        m = self.flags.accumulate
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if len(self._window) < m and not last:
+            return None
+        window, self._window = self._window, []
+        return self._stack(window), window[0], self._global_rows(window[0]), len(window)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        batch = self._prepare(batch)
+        m = self.flags.accumulate
+        if m > 1:
+            if self.steps_per_call > 1 or self.accum_steps > 1:
+                raise ConfigError(
+                    f"accumulate_grad_batches={m} with steps_per_call={self.steps_per_call} "
+                    f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
+                    "keep accumulate_grad_batches and set the other two to 1."
+                )
+            window = self._window_batch(batch)
+            if window is None:
+                self.train_log.compute += time.perf_counter() - t0
+                return
+            jbatch, one, rows_, micro = window
+            steps = 1
+        else:
+            jbatch, one, rows_ = self._one_step_view(batch)
+            micro, steps = self.accum_steps, self.steps_per_call
+        self.init_state(one)
+        step_fn = self._step_for(micro, jbatch)
+        before = self.trainer.global_step
+        with self._batch_check(one):
+            self.state, metrics = step_fn(self.state, jbatch)
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        for _ in range(steps):
+            progress.increment_ready()
+            progress.increment_completed()
+        self._after_step(metrics, rows_ * (micro if m > 1 else 1))
+        self.train_log.compute += time.perf_counter() - t0
+        every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
+        if self.trainer.global_step // every > before // every:
+            self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
+
+    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
+        """The compiled step for this call (a short last accumulation window has its own)."""
+        m = self.flags.accumulate
+        if m > 1 and micro < m:
+            if micro not in self._short_steps:
+                self._short_steps[micro] = self._make_train_step(micro, grad_scale=micro / m)
+            return self._short_steps[micro]
         if self._train_step is None:
-            self._train_step = jaxcore.make_train_step(
-                self.model_fns,
-                self.loss_fn,
-                self.tx,
-                state_sharding=jaxcore.state_shardings(self.state),
-                batch_sharding=self.stacked_sharding,
-                steps_per_call=k,
-                accum_steps=self.accum_steps,
-                compute_dtype=self.compute_dtype,
-                nan_policy=self.nan_policy,
-            )
+            assert self.state is not None
+            self._train_step = self._make_train_step(micro)
             self.compile_stats = self._train_step.compile(
                 self.state, jbatch, dump_dir=self.hlo_dump_dir
             )
             self._log_to_loggers(
                 {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
             )
-        before = self.trainer.global_step
-        with self._naming_fields(batch):
-            self.state, metrics = self._train_step(self.state, jbatch)
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        for _ in range(k):
-            progress.increment_ready()
-            progress.increment_completed()
-        self._compute += time.perf_counter() - t0
-        every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
-        if self.trainer.global_step // every > before // every:
-            self._queue_log(metrics, rows=jbatch[next(iter(jbatch))].shape[k > 1])
+        return self._train_step
 
-    @contextlib.contextmanager
-    def _naming_fields(self, batch: Batch) -> Iterator[None]:
-        """Turns a trace-time failure on a changed batch into an error naming the field."""
-        try:
-            yield
-        except (TypeError, ValueError, FlaxError) as err:
-            got = _signature(batch)
-            diff = [
-                f"{name!r}: expected per-row shape {want[0]} {want[1]}, got "
-                + (f"{got[name][0]} {got[name][1]}" if name in got else "no such field")
-                for name, want in self._fields.items()
-                if got.get(name) != want
-            ]
-            if not diff:
-                raise
-            raise jaxcore.BatchError(
-                "The batch no longer matches the one the model was built from: "
-                + "; ".join(diff)
-                + ". Fix: keep every field's per-row shape and dtype fixed "
-                "(pad variable lengths to buckets in the collate)."
-            ) from err
+    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
+        """Per-step work on device metrics (epoch aggregation in the Lightning port)."""
 
     def _log_to_loggers(self, metrics: dict[str, float]) -> None:
         if self._trainer is not None:
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=self.trainer.global_step)
 
-    def _queue_log(self, metrics: dict[str, jax.Array], rows: int) -> None:
-        """Starts copying this logging step's metrics to the host and logs the previous ones.
+    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The on-device values of one logging step, under their logged names."""
+        return {f"train/{k}": v for k, v in metrics.items()}
 
-        Logging one interval late means the fetch never waits for the device: the values of
-        the previous logging step are long computed (the last ones are logged at train end).
-        """
+    def _queue_log(self, metrics: dict[str, jax.Array], rows: int) -> None:
         assert self.state is not None
-        extra: dict[str, Any] = {"train/lr": jaxcore.current_lr(self.state.opt_state)}
+        extra: dict[str, Any] = dict(find_lrs(self.state.opt_state))
         if self.nan_policy != "none":
             extra["train/nonfinite_steps"] = self.state.nonfinite
-        values = {
-            **{f"train/{k}": v for k, v in metrics.items()},
-            **{k: jnp.array(v) for k, v in extra.items()},
-        }  # copies: the state is donated
-        for value in values.values():
-            value.copy_to_host_async()
-        if self._pending is not None:
-            self._log_train(*self._pending)
-        self._pending = (values, self._perf(rows), self.trainer.global_step)
+        values = {**self._train_values(metrics), **fresh(extra)}  # copies: state is donated
+        self.train_log.queue(values, rows, self.trainer.global_step)
 
-    def _perf(self, rows: int) -> dict[str, float]:
-        """Host-side throughput since the last logging step, measured now (not when logged)."""
-        now, step = time.perf_counter(), self.trainer.global_step
-        perf = {}
-        if self._last_log is not None and step > self._last_log[1]:
-            elapsed = now - self._last_log[0]
-            rate = (step - self._last_log[1]) / elapsed
-            perf = {
-                "perf/steps_per_s": rate,
-                "perf/samples_per_s": rate * rows,
-                "perf/data_wait_fraction": min(self._wait / elapsed, 1.0),
-                "perf/step_fraction": min(self._compute / elapsed, 1.0),
-            }
-        self._last_log, self._wait, self._compute = (now, step), 0.0, 0.0
-        return perf
-
-    def _log_train(
-        self,
-        values: dict[str, jax.Array],
-        perf: dict[str, float],
-        step: int,
-        progress_bar: bool = True,
-    ) -> None:
-        """Logs one logging step's metrics (already on their way to the host)."""
-        logs = {k: float(np.asarray(v).reshape(-1)[-1]) for k, v in jax.device_get(values).items()}
-        logs |= perf
+    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
+        """Logs one logging step's host values to loggers, callbacks and the progress bar."""
         logs |= {f"bridge/{k}": v for k, v in self.transfer_stats.as_metrics().items()}
         if self._train_step is not None:
-            logs["compile/recompiles"] = float(self._train_step.recompiles)
+            logs["compile/recompiles"] = float(
+                self._train_step.recompiles + sum(s.compiles for s in self._short_steps.values())
+            )
         if self._trainer is not None:
             for logger in self.loggers:
                 logger.log_metrics(logs, step=step)
@@ -363,21 +483,27 @@ class JaxModule(L.LightningModule):
         # (measured), so the values go there directly and only the loss through self.log.
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
         if progress_bar:  # (not allowed in on_train_end)
-            self.log("loss", logs["train/loss"], prog_bar=True, logger=False)
-            if "perf/samples_per_s" in logs:
-                self.log("samples/s", logs["perf/samples_per_s"], prog_bar=True, logger=False)
+            self._progress(logs)
         if logs.get("train/nonfinite_steps", 0.0) and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
 
+    def _progress(self, logs: dict[str, float]) -> None:
+        if "train/loss" in logs:
+            self.log("loss", logs["train/loss"], prog_bar=True, logger=False)
+        if "perf/samples_per_s" in logs:
+            self.log("samples/s", logs["perf/samples_per_s"], prog_bar=True, logger=False)
+
+    def on_train_epoch_end(self) -> None:
+        self._window = []  # (a window never spans epochs: the last batch closes it)
+
     def on_train_end(self) -> None:
-        if self._pending is not None:
-            self._log_train(*self._pending, progress_bar=False)
-            self._pending = None
+        self.train_log.finish()
         if self.state is not None and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
 
     # -- evaluation ----------------------------------------------------------------------
-    def _eval(self, batch: Batch) -> None:
+    def _eval(self, batch: Any) -> None:
+        batch = self._prepare(batch)
         state = self.init_state(batch)
         if self._eval_step is None:
             self._eval_step = jaxcore.make_eval_step(
@@ -385,10 +511,10 @@ class JaxModule(L.LightningModule):
                 self.loss_fn,
                 state_sharding=jaxcore.state_shardings(state),
                 batch_sharding=self.batch_sharding,
-                compute_dtype=self.compute_dtype,
+                compute_dtype=self._compute_dtype,
             )
-        with self._naming_fields(batch):
-            sums = self._eval_step(state, self._to_jax(batch, self._global_rows(batch)))
+        with self._batch_check(batch):
+            sums = self._eval_step(state, self._to_jax(batch))
         self._eval_sums = (
             sums
             if self._eval_sums is None
@@ -405,29 +531,30 @@ class JaxModule(L.LightningModule):
             {f"{prefix}/{k}": float(v) / count for k, v in sums.items()}, prog_bar=prefix == "val"
         )
 
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._eval(batch)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
 
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
+    def test_step(self, batch: Any, batch_idx: int) -> None:
         self._eval(batch)
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
-    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        batch = self._prepare(batch)
         state = self.init_state(batch)
         if self._predict_step is None:
             self._predict_step = jaxcore.make_predict_step(
-                self.model_fns, compute_dtype=self.compute_dtype
+                self.model_fns, compute_dtype=self._compute_dtype
             )
-        n = next(iter(batch.values())).shape[0]
-        outputs = self._predict_step(state, self._to_jax(batch, self._global_rows(batch)))
-        return bridge.to_torch(outputs)[:n]  # type: ignore[no-any-return]
+        n = rows(batch)
+        outputs = self._predict_step(state, self._to_jax(batch))
+        return bridge.to_torch(outputs)[:n]
 
-    # -- checkpoints (the files themselves: torchshell.checkpoint.OrbaxCheckpointIO) ---------
+    # -- checkpoints (directories: torchshell.checkpoint.OrbaxCheckpointIO) -----------------
     def restore_from(self, directory: Path) -> None:
         """Restores the JAX state from an Orbax directory when the state is (re)built."""
         if self.state is not None:
@@ -435,24 +562,22 @@ class JaxModule(L.LightningModule):
         else:
             self._restore_dir = directory
 
+    def _orbax_io(self) -> bool:
+        from torchshell.checkpoint import OrbaxCheckpointIO
+
+        io = getattr(self.trainer.strategy, "checkpoint_io", None)
+        return isinstance(io, OrbaxCheckpointIO)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        name, keys, *rest = np.random.get_state()
-        checkpoint["coreshell_rng"] = {
-            "torch": torch.get_rng_state(),
-            "numpy": [name, torch.from_numpy(np.asarray(keys).astype(np.int64)), *rest],
-            "python": random.getstate(),
-        }
+        _state_io.save_rng(checkpoint)
+        if self.state is not None and not self._orbax_io():  # a plain Lightning file
+            checkpoint[_state_io.STATE_KEY] = _state_io.state_to_tensors(self.state)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        rng = checkpoint.get("coreshell_rng")
-        if rng is None:
-            return
-        torch.set_rng_state(rng["torch"])
-        name, keys, *rest = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
-
-    def configure_optimizers(self) -> None:
-        """No torch optimizer: the optax optimizer runs inside the JAX step."""
-        return None
+        _state_io.load_rng(checkpoint)
+        tensors = checkpoint.get(_state_io.STATE_KEY)
+        if tensors is not None:
+            if self.state is not None:
+                self.state = _state_io.state_from_tensors(tensors, self.state)
+            else:
+                self._restore_tensors = tensors

@@ -1,0 +1,123 @@
+"""Batches as the user's DataLoader yields them, named for the Flax path.
+
+A Flax model's ``inputs`` and a JAX loss read batch fields by key. A ``TensorDataset``
+collates to a list ``[x, y]`` (a tuple or namedtuple from other datasets), so a sequence
+batch is named position by position with ``batch_keys`` (``("x", "y")`` by default, the
+convention the losses use); a namedtuple keeps its field names. Dicts pass unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from flax.errors import FlaxError
+
+from jaxcore import BatchError
+
+Batch = Mapping[str, Any]
+Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+__all__ = ["check_fields", "name_batch", "rows", "signature"]
+
+
+def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, Any]:
+    """The batch as a dict of named fields (a dict batch is returned as it is).
+
+    Args:
+        batch: a dict, a list/tuple of tensors (``TensorDataset``), or a namedtuple.
+        batch_keys: names of the positions of a list/tuple batch, in order.
+
+    Returns:
+        ``{name: tensor}``.
+
+    Raises:
+        BatchError: a batch that is neither a mapping nor a sequence, or a sequence with
+            more positions than ``batch_keys`` names.
+
+    Example:
+        >>> import torch
+        >>> sorted(name_batch([torch.ones(2, 3), torch.zeros(2)]))
+        ['x', 'y']
+    """
+    if isinstance(batch, Mapping):
+        return batch if isinstance(batch, dict) else dict(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return dict(zip(batch._fields, batch, strict=True))
+    if isinstance(batch, (list, tuple)):
+        if len(batch) > len(batch_keys):
+            raise BatchError(
+                f"The DataLoader yields a {type(batch).__name__} of {len(batch)} fields, but "
+                f"batch_keys names only {len(batch_keys)}: {tuple(batch_keys)}. Fix: pass "
+                f"JaxModule(..., batch_keys=(...)) with {len(batch)} names, in the order the "
+                "Dataset returns them (inputs= and the loss read those names)."
+            )
+        return dict(zip(batch_keys, batch, strict=False))
+    raise BatchError(
+        f"Expected a batch collated to a dict, a list/tuple (e.g. from a TensorDataset) or a "
+        f"namedtuple of tensors, got {type(batch).__name__}. Fix: return tensors from the "
+        "Dataset (or a collate_fn that builds a dict of tensors)."
+    )
+
+
+def rows(batch: Batch) -> int:
+    """The leading size of the first field with a batch dimension.
+
+    Example:
+        >>> import torch
+        >>> rows({"x": torch.ones(5, 2)})
+        5
+    """
+    for t in batch.values():
+        if isinstance(t, torch.Tensor) and t.dim():
+            return int(t.shape[0])
+    raise BatchError(
+        f"The batch has no tensor field with a batch dimension: {sorted(batch)}. Fix: "
+        "return tensors from the Dataset and let the DataLoader collate them."
+    )
+
+
+def signature(batch: Batch) -> Signature:
+    """Per-row shape and dtype of every field (what a compiled step is specialised on).
+
+    Example:
+        >>> import torch
+        >>> signature({"x": torch.ones(4, 3)})
+        {'x': ((3,), torch.float32)}
+    """
+    return {
+        name: (tuple(t.shape[1:]), t.dtype)
+        for name, t in batch.items()
+        if isinstance(t, torch.Tensor)
+    }
+
+
+@contextlib.contextmanager
+def check_fields(expected: Signature, batch: Batch) -> Iterator[None]:
+    """Turns a trace-time failure on a changed batch into an error naming the field.
+
+    Example:
+        >>> import torch
+        >>> with check_fields({"x": ((3,), torch.float32)}, {"x": torch.ones(2, 3)}):
+        ...     pass
+    """
+    try:
+        yield
+    except (TypeError, ValueError, FlaxError) as err:
+        got = signature(batch)
+        diff = [
+            f"{name!r}: expected per-row shape {want[0]} {want[1]}, got "
+            + (f"{got[name][0]} {got[name][1]}" if name in got else "no such field")
+            for name, want in expected.items()
+            if got.get(name) != want
+        ]
+        if not diff:
+            raise
+        raise BatchError(
+            "The batch no longer matches the one the model was built from: "
+            + "; ".join(diff)
+            + ". Fix: keep every field's per-row shape and dtype fixed "
+            "(pad variable lengths to buckets in the collate)."
+        ) from err

@@ -1,0 +1,126 @@
+"""Lightning ``Trainer`` flags, as a Lightning user means them, under a :class:`JaxModule`.
+
+A ``JaxModule`` runs under manual optimization (the optimizer lives in the JAX step), where
+Lightning itself refuses ``accumulate_grad_batches`` and ``gradient_clip_val`` and where
+``precision`` would change nothing. So the module reads these flags when it is attached to
+a Trainer, carries them out in the JAX step, and hands Lightning neutral values (restored
+after the run):
+
+- ``precision``: ``"bf16-mixed"`` / ``"bf16-true"`` -> the step computes in bfloat16 (params,
+  gradients and optimizer state stay float32); ``"32-true"`` -> float32; others refused.
+- ``accumulate_grad_batches=N`` -> N DataLoader batches accumulated in one jitted step.
+- ``gradient_clip_val`` / ``gradient_clip_algorithm`` -> clipping inside the JAX update,
+  with torch's ``clip_grad_norm_`` / ``clip_grad_value_`` math.
+- several devices, processes or nodes -> refused: JAX's mesh places the step; several
+  processes are JAX's distributed runtime (``coreshell launch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torchshell._errors import ConfigError
+
+__all__ = ["TrainerFlags", "adopt_flags", "restore_flags"]
+
+_BF16 = ("bf16-mixed", "bf16-true", "bf16")
+_FP32 = ("32-true", "32", 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerFlags:
+    """The Trainer flags a :class:`JaxModule` carries out in the JAX step.
+
+    Attributes:
+        compute_dtype: ``"bfloat16"`` for a bf16 precision, else ``None`` (float32).
+        accumulate: DataLoader batches per optimizer step.
+        clip_val: gradient clipping threshold, or ``None``.
+        clip_algorithm: ``"norm"`` or ``"value"``.
+    """
+
+    compute_dtype: str | None = None
+    accumulate: int = 1
+    clip_val: float | None = None
+    clip_algorithm: str = "norm"
+
+
+def _refuse_devices(trainer: Any) -> None:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    devices, nodes = trainer.num_devices, trainer.num_nodes
+    if devices > 1 or nodes > 1 or not isinstance(trainer.strategy, SingleDeviceStrategy):
+        raise ConfigError(
+            f"A JaxModule runs as one Lightning process on one device; got Trainer(devices="
+            f"{devices}, num_nodes={nodes}, strategy={type(trainer.strategy).__name__}). JAX "
+            "places the step itself: the module's mesh (jaxcore.make_mesh({'data': -1})) "
+            "already spreads it over every local JAX device. Fix: Trainer(accelerator='cpu', "
+            "devices=1); for several processes or machines run `coreshell launch --nproc N -- "
+            "train` (jax.distributed, see docs/scale_out.md)."
+        )
+
+
+def _dtype(precision: Any) -> str | None:
+    if precision in _BF16:
+        return "bfloat16"
+    if precision in _FP32:
+        return None
+    raise ConfigError(
+        f"Trainer(precision={precision!r}) has no JAX counterpart here: expected '32-true', "
+        "'bf16-mixed' or 'bf16-true' (the JAX step then computes in bfloat16 with float32 "
+        "params and optimizer state). float16 needs loss scaling, which the JAX step does "
+        "not do; 64-bit needs jax_enable_x64. Fix: use precision='bf16-mixed' or '32-true'."
+    )
+
+
+def adopt_flags(trainer: Any) -> tuple[TrainerFlags, dict[str, Any]]:
+    """Reads the Trainer's flags and neutralises the ones Lightning refuses to run.
+
+    Args:
+        trainer: the ``lightning.Trainer`` the module is being attached to.
+
+    Returns:
+        ``(flags, originals)``: what the JAX step must do, and the Trainer attributes that
+        were changed, to restore with :func:`restore_flags` after the run.
+
+    Raises:
+        ConfigError: several devices, processes or nodes, or a precision with no JAX
+            counterpart.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed",
+        ...                     accumulate_grad_batches=2, logger=False)
+        >>> flags, originals = adopt_flags(trainer)
+        >>> flags.compute_dtype, flags.accumulate, trainer.accumulate_grad_batches
+        ('bfloat16', 2, 1)
+        >>> restore_flags(trainer, originals); trainer.accumulate_grad_batches
+        2
+    """
+    _refuse_devices(trainer)
+    accumulate = int(trainer.accumulate_grad_batches)
+    clip = trainer.gradient_clip_val
+    algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", None) or "norm").lower()
+    if algorithm not in ("norm", "value"):
+        raise ConfigError(
+            f"gradient_clip_algorithm={algorithm!r}: expected 'norm' or 'value'. Fix: use one."
+        )
+    flags = TrainerFlags(
+        compute_dtype=_dtype(trainer.precision),
+        accumulate=accumulate,
+        clip_val=float(clip) if clip else None,
+        clip_algorithm=algorithm,
+    )
+    originals = {
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "gradient_clip_val": trainer.gradient_clip_val,
+    }
+    trainer.accumulate_grad_batches = 1
+    trainer.gradient_clip_val = None
+    return flags, originals
+
+
+def restore_flags(trainer: Any, originals: dict[str, Any]) -> None:
+    """Puts back the Trainer attributes :func:`adopt_flags` changed."""
+    for name, value in originals.items():
+        setattr(trainer, name, value)

@@ -1,0 +1,393 @@
+"""``LightningJaxModule``: the user's ``LightningModule``, unchanged, trained as a JAX step.
+
+What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
+
+- batches reach ``training_step`` with the structure the DataLoader gave (tuples, dicts,
+  nested); nothing is padded (a ragged batch compiles once more, counted): the user's loss
+  is a mean over the rows it is given, as in plain Lightning;
+- ``configure_optimizers`` is read and mapped onto optax (:mod:`torchshell.port._optim`);
+  its torch optimizers are also handed to Lightning, so ``LearningRateMonitor`` and the
+  checkpoint's ``optimizer_states`` see them (their ``lr`` follows the JAX schedule);
+- ``self.log`` values: on-step ones at the logging cadence, on-epoch ones as exact means
+  accumulated on device (training), and through Lightning's own ``self.log`` per batch
+  (evaluation), under the user's names and options;
+- checkpoints carry the trained weights in the module's own ``state_dict`` layout and its
+  ``hyper_parameters``: ``MyModule.load_from_checkpoint(path)`` works in plain Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import lightning as L
+import optax
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+import bridge
+import jaxcore
+from jaxcore.precision import cast_floating, resolve_dtype
+from torchshell._errors import ConfigError
+from torchshell.module import JaxModule
+from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
+from torchshell.port._sched import parse_configure_optimizers
+from torchshell.port._trace import LightningPort, LogSpec
+
+__all__ = ["LightningJaxModule"]
+
+_EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+
+
+@jax.jit
+def _accumulate(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (
+            acc[k][0] + new[k][0],
+            acc[k][1] + new[k][1],
+            jnp.maximum(acc[k][2], new[k][2]),
+            jnp.minimum(acc[k][3], new[k][3]),
+        )
+        for k in acc
+    }
+
+
+class LightningJaxModule(JaxModule):
+    """A :class:`JaxModule` whose model, loss, logging and optimizer are a LightningModule's.
+
+    Made by :meth:`JaxModule.from_lightning`; see the module docstring for the semantics.
+
+    Args:
+        module: the user's ``LightningModule``.
+        optimizer: an optax transform to use instead of ``configure_optimizers``.
+        **kwargs: :class:`JaxModule` options.
+    """
+
+    def __init__(
+        self,
+        module: L.LightningModule,
+        *,
+        optimizer: optax.GradientTransformation | None = None,
+        **kwargs: Any,
+    ) -> None:
+        port = LightningPort(module)
+        super().__init__(port.model_fns(), port.loss_fn, optimizer, **kwargs)
+        object.__setattr__(self, "port", port)  # the user's module is not a submodule
+        object.__setattr__(self, "torch_module", module)
+        self.mapped: MappedOptimizer | None = None
+        self._returned: Any = None
+        self._epoch: dict[str, Any] | None = None
+        self._restore_weights: Mapping[str, torch.Tensor] | None = None
+        self._eval_steps: dict[str, jaxcore.Step] = {}
+        for hook in _EVAL_HOOKS:  # Lightning skips a loop whose hook is not overridden
+            if not port.overrides(hook):
+                setattr(self, hook, getattr(L.LightningModule, hook).__get__(self))
+        self._configs: list[Any] = []
+        if module.hparams:  # the run's params in the loggers (MLflow) are the user's
+            self.save_hyperparameters(dict(module.hparams))
+
+    # -- optimizer ---------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        """The user's own optimizer and schedulers, handed to Lightning as plain objects.
+
+        Lightning never steps them (manual optimization): the JAX step applies the mapped
+        update, and their ``lr`` is kept equal to the JAX schedule for ``LearningRateMonitor``
+        (the schedulers' ``interval``/``frequency`` are set on Lightning's configs in
+        :meth:`on_fit_start`, which manual optimization would otherwise warn about).
+        """
+        if self.tx is not None:
+            return []
+        if self._returned is None:
+            self._returned = self.port.module.configure_optimizers()
+        optimizer, configs = parse_configure_optimizers(self._returned)
+        self._configs = configs
+        return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
+
+    def on_fit_start(self) -> None:
+        for mine, theirs in zip(self.trainer.lr_scheduler_configs, self._configs, strict=False):
+            mine.interval, mine.frequency, mine.name = (
+                theirs.interval,
+                theirs.frequency,
+                theirs.name,
+            )
+
+    def _map(self, *, provisional: bool) -> None:
+        if self._returned is None:
+            self._returned = self.port.module.configure_optimizers()
+        named = {
+            k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
+        }
+        trainer, m = self._trainer, self.flags.accumulate
+        batches = None if trainer is None or provisional else trainer.num_training_batches
+        if batches is None:  # before the loaders exist: the state's structure only
+            per_epoch, total = 1, 1
+        elif math.isinf(batches):  # an iterable loader: no epoch length
+            per_epoch, total = None, max(trainer.max_steps, 1)
+        else:
+            per_epoch = math.ceil(int(batches) / m)
+            epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
+            total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
+        self.mapped = map_configure_optimizers(
+            self._returned,
+            named,
+            steps_per_epoch=per_epoch,
+            total_steps=max(int(total), 1),
+            accumulate_grad_batches=m,
+            batches_per_epoch=None if batches is None or math.isinf(batches) else int(batches),
+        )
+
+    def optimizer(self) -> optax.GradientTransformation:
+        if self.tx is None:
+            if self.mapped is None:
+                self._map(provisional=True)  # the state's structure; tables come at train start
+            assert self.mapped is not None
+            base = self.mapped.tx
+        else:
+            base = self.tx
+        if self.flags.clip_val is None:
+            return base
+        from torchshell.port._clip import torch_clip
+
+        only = None if self.mapped is None else self.mapped.param_names
+        return optax.chain(
+            torch_clip(self.flags.clip_val, self.flags.clip_algorithm, only=only), base
+        )
+
+    def on_train_start(self) -> None:
+        if self.tx is None:
+            self._map(provisional=False)
+            self._train_step = None
+            self._short_steps = {}
+            if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
+                print(f"coreshell: optimizer {self.mapped.description} (mapped onto optax)")
+
+    def _sync_torch_lr(self) -> None:
+        """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
+        if self.mapped is None or not self.trainer.optimizers:
+            return
+        lrs = self.mapped.lrs(self.trainer.global_step)
+        optimizer = self.trainer.optimizers[0]
+        for name, index in zip(self.mapped.lr_names, self.mapped.lr_group, strict=True):
+            optimizer.param_groups[index]["lr"] = float(lrs[name])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
+            self._sync_torch_lr()
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+    # -- hand-over: the user's structure, no padding -------------------------------------------
+    def _prepare(self, batch: Any) -> Any:
+        return batch
+
+    def _leading(self, tree: Any, axis: int = 0) -> int:
+        sizes = {t.shape[axis] for t in jax.tree.leaves(tree) if getattr(t, "ndim", 0) > axis}
+        return sizes.pop() if len(sizes) == 1 else 0
+
+    def _placed(self, tree: Any, stacked: bool) -> Any:
+        ways = self.mesh.shape[self.data_axis]
+        n = self._leading(tree, 1 if stacked else 0)
+        if n and n % ways == 0:
+            sharding = self.stacked_sharding if stacked else self.batch_sharding
+        else:  # rows the data axis does not divide: the whole batch on every device
+            sharding = NamedSharding(self.mesh, PartitionSpec())
+        return bridge.to_jax(tree, sharding, stats=self.transfer_stats)
+
+    def _to_jax(self, batch: Any, rows_: int | None = None) -> Any:
+        return self._placed(batch, stacked=False)
+
+    def _sample(self, batch: Any) -> Any:
+        return self._placed(batch, stacked=False)
+
+    def _global_rows(self, batch: Any) -> int:
+        return self._leading(batch)
+
+    def _stack(self, batches: list[Any]) -> Any:
+        shapes = {tuple(jax.tree.map(lambda t: tuple(t.shape), b).__repr__()) for b in batches}
+        if len(shapes) > 1:
+            raise ConfigError(
+                f"accumulate_grad_batches={self.flags.accumulate}: the batches of one window "
+                "differ in shape (a ragged last batch?), so they cannot be accumulated in one "
+                "compiled step without changing the loss. Fix: DataLoader(drop_last=True) for "
+                "training, or a dataset size divisible by the batch size."
+            )
+        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *batches)
+        return self._placed(stacked, stacked=True)
+
+    def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
+        if self.steps_per_call > 1:
+            raise ConfigError(
+                "steps_per_call > 1 is not supported by JaxModule.from_lightning (the user's "
+                "batches are not re-stacked). Fix: use steps_per_call=1."
+            )
+        return self._placed(batch, stacked=False), batch, self._leading(batch)
+
+    def _batch_check(self, batch: Any) -> Any:
+        return contextlib.nullcontext()  # the traced step names its own errors
+
+    # -- weights -----------------------------------------------------------------------------
+    def init_state(self, batch: Any) -> Any:
+        fresh = self.state is None
+        state = super().init_state(batch)
+        if fresh and self._restore_weights is not None:
+            self.state = self._with_weights(state, self._restore_weights)
+            self._restore_weights = None
+        return self.state
+
+    def _with_weights(self, state: Any, sd: Mapping[str, torch.Tensor]) -> Any:
+        def put(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            return {
+                k: jax.device_put(bridge.as_jax(sd[k], name=k).astype(v.dtype), v.sharding)
+                for k, v in tree.items()
+            }
+
+        print(
+            "coreshell: starting from the checkpoint's weights; its torch optimizer state is "
+            "not mapped onto the JAX optimizer, which starts fresh."
+        )
+        return state.replace(params=put(state.params), model_state=put(state.model_state))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, **_: Any) -> Any:
+        """Takes the user's ``state_dict`` (a plain Lightning checkpoint of the same module)."""
+        expected = set(self.port.module.state_dict())
+        got = set(state_dict)
+        if strict and got != expected:
+            raise ConfigError(
+                f"The checkpoint's state_dict does not match {type(self.port.module).__name__}:"
+                f" missing {sorted(expected - got)[:5]}, unexpected {sorted(got - expected)[:5]}."
+                " Fix: resume from a checkpoint of the same module class and hyperparameters."
+            )
+        if self.state is not None:
+            if self._restore_tensors is None:
+                self.state = self._with_weights(self.state, state_dict)
+        elif self._restore_tensors is None:
+            self._restore_weights = dict(state_dict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        user = self.port.module
+        if self.state is not None:
+            checkpoint["state_dict"] = self.torch_state_dict()
+        if user.hparams:
+            checkpoint["hyper_parameters"] = dict(user.hparams)
+            name = getattr(user, "_hparams_name", None)
+            if name:
+                checkpoint["hparams_name"] = name
+        user.on_save_checkpoint(checkpoint)
+
+    # -- training metrics under the user's names ----------------------------------------------
+    def _train_specs(self) -> dict[str, LogSpec]:
+        return self.port.specs["training_step"]
+
+    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {"train/loss": metrics["loss"]}
+        for name, spec in self._train_specs().items():
+            if spec.on_step:
+                out[f"{name}_step" if spec.on_epoch else name] = metrics[f"log/{name}"]
+        for key in ("nonfinite",):
+            if key in metrics:
+                out[f"train/{key}"] = metrics[key]
+        return out
+
+    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
+        hidden = {
+            (f"{n}_step" if s.on_epoch else n)
+            for n, s in self._train_specs().items()
+            if s.logger is False
+        }
+        shown = {k: v for k, v in logs.items() if k not in hidden}
+        for name, spec in self._train_specs().items():
+            key = f"{name}_step" if spec.on_epoch else name
+            if spec.on_step and key in logs and progress_bar:  # (at the end: epoch values)
+                self.trainer.callback_metrics[name] = torch.tensor(logs[key])
+        super()._emit(shown, step, progress_bar)
+        if progress_bar:
+            for name, spec in self._train_specs().items():
+                key = f"{name}_step" if spec.on_epoch else name
+                if spec.prog_bar and spec.on_step and key in logs:
+                    self.log(name, logs[key], prog_bar=True, logger=False)
+
+    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
+        epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch}
+        if not epoch:
+            return
+        w = jnp.float32(rows_)
+        new = {}
+        for name, spec in epoch.items():
+            v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1]
+            weight = jnp.float32(spec.batch_size) if spec.batch_size else w
+            new[name] = (v * weight, weight, v, v)
+        self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
+
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        if self._epoch is None:
+            return
+        acc, self._epoch = jax.device_get(self._epoch), None
+        for name, spec in self._train_specs().items():
+            if name not in acc:
+                continue
+            total, weight, top, bottom = (float(x) for x in acc[name])
+            value = {"mean": total / max(weight, 1e-30), "sum": total, "max": top, "min": bottom}
+            self.log(
+                f"{name}_epoch" if spec.on_step else name,
+                value[spec.reduce_fx],
+                prog_bar=spec.prog_bar,
+                logger=spec.logger,
+                on_step=False,
+                on_epoch=True,
+            )
+            if spec.on_step:
+                self.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
+
+    # -- evaluation: the user's hooks, their self.log through Lightning's ---------------------
+    def _eval_step_for(self, hook: str) -> jaxcore.Step:
+        if hook not in self._eval_steps:
+            dtype = resolve_dtype(self._compute_dtype)
+            dtype = None if dtype == jnp.float32 else dtype
+            port = self.port
+
+            def step(state: Any, batch: Any) -> Any:
+                out, logs, _ = port.call(
+                    hook,
+                    cast_floating(state.params, dtype),
+                    state.model_state,
+                    cast_floating(batch, dtype),
+                    state.rng,
+                    False,
+                )
+                return cast_floating(out, jnp.float32), logs
+
+            self._eval_steps[hook] = jaxcore.Step(step, name=hook)
+        return self._eval_steps[hook]
+
+    def _run_hook(self, hook: str, batch: Any) -> Any:
+        state = self.init_state(batch)
+        out, logs = self._eval_step_for(hook)(state, self._to_jax(batch))
+        n = self._leading(batch)
+        for name, value in jax.device_get(logs).items():
+            spec = self.port.specs[hook][name]
+            self.log(
+                name,
+                float(value),
+                prog_bar=spec.prog_bar,
+                logger=spec.logger,
+                on_step=spec.on_step,
+                on_epoch=spec.on_epoch,
+                reduce_fx=spec.reduce_fx,
+                batch_size=spec.batch_size or n or None,
+            )
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self._run_hook("validation_step", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        self._run_hook("test_step", batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return bridge.to_torch(self._run_hook("predict_step", batch))
