@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from torchshell.app.failures import BAD_INPUT, our_errors, report
+from torchshell.app.quiet import verbose
 
 USAGE = """usage: coreshell [--verbose] COMMAND [ARGS...]
 
@@ -29,11 +30,6 @@ USAGE = """usage: coreshell [--verbose] COMMAND [ARGS...]
 
   --verbose  keep library warnings and show the traceback of every error
 """
-
-
-def verbose() -> bool:
-    """Whether ``--verbose`` or ``HYDRA_FULL_ERROR=1`` asked for everything."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("CORESHELL_VERBOSE") == "1"
 
 
 def guarded(command: str, fn: Callable[[], Any]) -> Any:
@@ -54,11 +50,11 @@ def guarded(command: str, fn: Callable[[], Any]) -> Any:
 def _train_task(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from torchshell.app import quiet
     from torchshell.app.config import typed
+    from torchshell.app.quiet import configure
     from torchshell.app.train import train
 
-    quiet.configure(verbose())
+    configure(verbose())
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     guarded("train", lambda: train(typed(cfg), out_dir))
 
@@ -66,10 +62,10 @@ def _train_task(cfg: Any) -> None:
 def _train_main(argv: Sequence[str]) -> None:
     import hydra
 
-    from torchshell.app import quiet
     from torchshell.app.config import config_dir, register_configs
+    from torchshell.app.quiet import configure
 
-    quiet.configure(verbose())
+    configure(verbose())
     register_configs()
     started: list[bool] = []
 

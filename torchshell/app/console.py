@@ -78,6 +78,13 @@ class RunProgressBar(RichProgressBar):
         total = self.trainer.max_epochs
         return f"Epoch {current_epoch + 1}" + (f"/{total}" if total not in (None, -1) else "")
 
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """The module's bar metrics (loss, samples/s, val), without Lightning's ``v_num``
+        (the MLflow run id, printed at the end)."""
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return {k: human(v) if isinstance(v, float) else v for k, v in items.items()}
+
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """One bar for a step-counted run; Lightning's reset per epoch otherwise."""
         if self._by_steps() and self.train_progress_bar_id is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchshell.app import quiet
 from torchshell.export import export_module, max_abs_diff
 from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
 
@@ -37,6 +38,8 @@ def servable(twin: torch.nn.Module) -> tuple[torch.nn.Module, np.ndarray]:
             "logged as an MLflow model. Fix: add it, or a serving() method that wraps the "
             "twin into a single-input module."
         )
+    if example.dim() and example.shape[0] == 1:  # torch.export specialises a batch of 1
+        example = example.expand(2, *example.shape[1:]).contiguous()  # two rows keep it free
     return serve, example.numpy()
 
 
@@ -95,5 +98,6 @@ def publish(
         png = spectrogram_png(batch["features"][0].numpy(), logger.stage_path("spectrogram.png"))
         logger.log_artifact(png, "plots")
     serve, example = servable(twin)
-    log_torch_model(logger, serve, example, register_as=register_as)
+    with quiet.torch_export_notes():
+        log_torch_model(logger, serve, example, register_as=register_as)
     return {"export": export_path, "parity_max_abs_diff": parity, "test_accuracy": accuracy}

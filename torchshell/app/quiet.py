@@ -1,9 +1,119 @@
-"""A quiet console: each library message a user did not ask for, silenced at its source."""
+"""A quiet console for ``coreshell train``: each library message a user did not ask for is
+silenced at its source (a named logger, one message pattern), with the reason beside it.
+
+Nothing here is a blanket filter: other messages of the same libraries still show, and
+``--verbose`` (or ``HYDRA_FULL_ERROR=1``) skips all of it.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# (logger, message pattern, why it is noise for a coreshell user)
+_LOG_LINES = [
+    (
+        "jax._src.xla_bridge",
+        r"Unable to initialize backend",
+        "JAX probes for TPU/GPU plugins at start-up and logs each miss at INFO; Hydra's job "
+        "logging prints INFO. The devices used are in the config line.",
+    ),
+    (
+        "jax._src.compilation_cache",
+        r"Resetting cache at",
+        "jaxcore.enable_compile_cache resets JAX's cache object on purpose; the cache's "
+        "hits and misses are in the end summary.",
+    ),
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        r"^(GPU|TPU|HPU) available: |^💡 Tip: |^`Trainer\.fit` stopped: `max_steps=",
+        "Lightning runs on one CPU process by design (JAX owns the devices), so its device "
+        "report is always 'not used'; the litlogger advert; the stop at max_steps is what "
+        "the progress bar shows.",
+    ),
+    (
+        "mlflow.store.db.utils",
+        r"Creating initial MLflow database tables|Updating database tables",
+        "MLflow announces creating its SQLite schema on a new store; the run line says where "
+        "the store is.",
+    ),
+]
+
+# (category, message pattern, module, why)
+_WARNINGS = [
+    (
+        "lightning.fabric.utilities.warnings.PossibleUserWarning",
+        r"The number of training batches \(\d+\) is smaller than the logging interval",
+        "lightning.pytorch.loops.fit_loop",
+        "Lightning compares log_every_n_steps with the batches of one epoch; coreshell logs "
+        "every N optimizer steps across epochs, so a short epoch loses no log.",
+    ),
+]
+
+
+def verbose() -> bool:
+    """Whether ``coreshell --verbose`` or ``HYDRA_FULL_ERROR=1`` asked for everything.
+
+    Example:
+        >>> isinstance(verbose(), bool)
+        True
+    """
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("CORESHELL_VERBOSE") == "1"
+
+
+class _Drop(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def _category(path: str) -> type[Warning]:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
 
 def configure(verbose: bool) -> None:
-    """Silences the known noise (each line says why); ``verbose`` keeps everything."""
+    """Silences the known noise (see ``_LOG_LINES`` and ``_WARNINGS``) unless ``verbose``.
+
+    Idempotent: a sweep configures once per job.
+
+    Example:
+        >>> configure(verbose=True)  # keeps everything
+    """
     if verbose:
         return
+    for name, pattern, _why in _LOG_LINES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Drop(pattern))
+    for category, pattern, module, _why in _WARNINGS:
+        kind = _category(category)
+        warnings.filterwarnings("ignore", message=pattern, category=kind, module=module)
+
+
+@contextmanager
+def torch_export_notes() -> Iterator[None]:
+    """Around saving the twin as MLflow's pt2 model: torch's notes that are not the user's.
+
+    ``torch.export``'s archive reader builds tensors with ``torch.frombuffer`` over a
+    read-only buffer of the archive it just wrote and warns that the buffer is not writable
+    (nothing writes to it); ``torch.export`` notes each dimension it specialises for the
+    example batch, while the logged signature already declares the batch dimension free.
+    """
+    if verbose():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"The given buffer is not writable", category=UserWarning
+        )
+        yield
