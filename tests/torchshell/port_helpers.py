@@ -80,10 +80,16 @@ def jax_replay(
     tx: optax.GradientTransformation,
     params: dict[str, jax.Array],
     grads: Sequence[dict[str, torch.Tensor]],
-) -> list[dict[str, jax.Array]]:
-    """Applies jitted ``tx`` to torch's recorded grads; the params after every step."""
+    *,
+    state: Any = None,
+    return_state: bool = False,
+) -> Any:
+    """Applies jitted ``tx`` to torch's recorded grads; the params after every step.
+
+    With ``return_state``: ``(params after every step, the final optimizer state)``.
+    """
     update = jax.jit(tx.update)
-    state = tx.init(params)
+    state = tx.init(params) if state is None else state
     out = []
     for g in grads:
         jg = to_jax(g)
@@ -91,7 +97,7 @@ def jax_replay(
         updates, state = update(jg, state, params)
         params = optax.apply_updates(params, updates)
         out.append(params)
-    return out
+    return (out, state) if return_state else out
 
 
 def max_rel_err(

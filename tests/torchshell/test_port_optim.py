@@ -24,6 +24,7 @@ from tests.torchshell import port_helpers as H
 from torchshell._errors import ConfigError
 from torchshell.port._clip import torch_clip
 from torchshell.port._optim import map_configure_optimizers
+from torchshell.port._optim_state import state_from_torch, state_to_torch
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
@@ -457,3 +458,69 @@ def test_against_lightning_trainer(
     trained = {n: p.detach() for n, p in module.named_parameters()}
     assert H.max_rel_err([trained], [final]) < (1e-4 if kind.startswith("adam") else 1e-5)
     assert H.max_rel_err([{n: t.detach() for n, t in named.items()}], [final]) > 1e-3  # it trained
+
+
+# --- optimizer state <-> torch state_dict ------------------------------------------------------
+
+STATEFUL = {
+    "sgd-momentum": lambda o: S.StepLR(o, step_size=2, gamma=0.5),
+    "adamw-wd-amsgrad": lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=8),
+    "rmsprop-centered-mom-wd": lambda o: S.CosineAnnealingLR(o, T_max=6),
+    "adagrad-decay-wd-init": lambda o: S.LambdaLR(o, lambda s: 1.0 / (1.0 + s)),
+}
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_state_round_trip_with_torch(name: str) -> None:
+    """torch 3 steps -> JAX state -> 5 JAX steps, and JAX 3 steps -> torch state -> 5 torch
+    steps: both land on torch's own 8-step run (weights, optimizer and scheduler state)."""
+    data = H.batches()
+    model = H.net()
+    params0 = H.to_jax(dict(model.named_parameters()))
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = STATEFUL[name](opt)
+    mapped = map_configure_optimizers(
+        ([opt], [{"scheduler": sched, "interval": "step"}]),
+        dict(model.named_parameters()),
+        steps_per_epoch=None,
+        total_steps=8,
+    )
+    step = H.lightning_stepper([sched], steps_per_epoch=100)
+    grads, torch_params = H.torch_run(model, opt, step, data)  # the reference, 8 steps
+    # the way in: torch's state after 3 steps, then JAX
+    mid_model = H.net()
+    mid_opt = OPTIMIZERS[name](mid_model.parameters())
+    mid_sched = STATEFUL[name](mid_opt)
+    H.torch_run(mid_model, mid_opt, H.lightning_stepper([mid_sched], steps_per_epoch=100), data[:3])
+    mid_params = H.to_jax(dict(mid_model.named_parameters()))
+    state = state_from_torch(mapped, mid_opt.state_dict(), mid_params)
+    assert int(state.step) == (0 if name.startswith("sgd") else 3)
+    state = state._replace(step=jnp.int32(3))
+    ours = H.jax_replay(mapped.tx, mid_params, grads[3:], state=state)
+    assert H.max_rel_err(torch_params[3:], ours) < 1e-5
+    # the exit door: JAX's state after 3 steps, then torch
+    _, jax_state = H.jax_replay(mapped.tx, params0, grads[:3], return_state=True)
+    opt_sd, sched_sds = state_to_torch(mapped, jax_state)
+    out_model = H.net()
+    out_model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in mid_params.items()})
+    out_opt = OPTIMIZERS[name](out_model.parameters())
+    out_sched = STATEFUL[name](out_opt)
+    out_opt.load_state_dict(opt_sd)
+    out_sched.load_state_dict(sched_sds[0])
+    assert out_opt.param_groups[0]["lr"] == pytest.approx(mid_opt.param_groups[0]["lr"], rel=1e-12)
+    assert out_sched.state_dict().keys() == mid_sched.state_dict().keys()
+    assert out_sched.last_epoch == mid_sched.last_epoch == 3
+    stepper = H.lightning_stepper([out_sched], steps_per_epoch=100)
+    _, out_params = H.torch_run(out_model, out_opt, lambda t: stepper(t + 3), data[3:])
+    assert H.max_rel_err(torch_params[3:], [H.to_jax(p) for p in out_params]) < 1e-5
+
+
+def test_state_from_torch_refuses_another_layout() -> None:
+    model = H.net()
+    opt = torch.optim.Adam(model.parameters())
+    mapped = map_configure_optimizers(
+        opt, dict(model.named_parameters()), steps_per_epoch=3, total_steps=4
+    )
+    other = torch.optim.Adam([model[0].weight])
+    with pytest.raises(ConfigError, match=r"sizes \[1\].*\[4\].*without the optimizer state"):
+        state_from_torch(mapped, other.state_dict(), H.to_jax(dict(model.named_parameters())))

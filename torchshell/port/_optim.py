@@ -23,7 +23,13 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from torchshell._errors import ConfigError
 from torchshell.port import _optim_rules as rules
-from torchshell.port._sched import FIX, parse_configure_optimizers, read_group, simulate
+from torchshell.port._sched import (
+    FIX,
+    parse_configure_optimizers,
+    read_group,
+    run_schedule,
+    simulate,
+)
 
 _HARMLESS = ("foreach", "fused", "differentiable", "capturable")
 _BASE = {"lr", "weight_decay", "maximize", *_HARMLESS}
@@ -48,6 +54,15 @@ _FLAGS = {"maximize", "nesterov", "amsgrad", "centered", "decoupled_weight_decay
 
 
 @dataclasses.dataclass(frozen=True)
+class Source:
+    """A private copy of the returned optimizer and schedulers, and how Lightning steps them."""
+
+    optimizer: torch.optim.Optimizer
+    configs: tuple[LRSchedulerConfig, ...]
+    stepping: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class MappedOptimizer:
     """The optax side of a LightningModule's ``configure_optimizers()``.
 
@@ -59,6 +74,10 @@ class MappedOptimizer:
         groups: the param groups (names, constant and scheduled hyperparameters).
         lr_group: for each of ``lr_names``, the index of its param group.
         description: one line for the console.
+        torch_names: per torch param group, the state_dict name of each of its parameters in
+            torch's order (``None``: not trainable); what the optimizer state converters use.
+        source: a private snapshot of the optimizer and schedulers as returned (for
+            :func:`~torchshell.port._optim_state.state_to_torch`).
     """
 
     tx: optax.GradientTransformation
@@ -66,6 +85,8 @@ class MappedOptimizer:
     groups: tuple[rules.GroupSpec, ...]
     lr_group: tuple[int, ...]
     description: str
+    torch_names: tuple[tuple[str | None, ...], ...] = ()
+    source: Source | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def param_names(self) -> frozenset[str]:
@@ -141,15 +162,13 @@ def map_configure_optimizers(
         )
     rule, keys = _MAPPED[cls]
     name_of = {id(p): n for n, p in named_params.items()}
+    stepping: dict[str, Any] = {
+        "steps_per_epoch": steps_per_epoch,
+        "accumulate_grad_batches": accumulate_grad_batches,
+        "batches_per_epoch": batches_per_epoch,
+    }
     if configs:
-        records = simulate(
-            optimizer,
-            configs,
-            steps_per_epoch=steps_per_epoch,
-            total_steps=total_steps,
-            accumulate_grad_batches=accumulate_grad_batches,
-            batches_per_epoch=batches_per_epoch,
-        )
+        records = simulate(optimizer, configs, total_steps=total_steps, **stepping)
     else:
         records = [{k: [v] for k, v in read_group(g).items()} for g in optimizer.param_groups]
     groups = []
@@ -157,12 +176,24 @@ def map_configure_optimizers(
         names = tuple(name_of[id(p)] for p in group["params"] if id(p) in name_of)
         groups.append(_group_spec(optimizer, index, names, record, keys))
     lr_names, lr_group = _lr_names(optimizer, configs)
+    _, opt_copy, sched_copies = run_schedule(optimizer, configs, total_steps=0, **stepping)
+    source = Source(
+        opt_copy,
+        tuple(
+            dataclasses.replace(c, scheduler=s) for c, s in zip(configs, sched_copies, strict=True)
+        ),
+        stepping,
+    )
     return MappedOptimizer(
         tx=rules.grouped(rule, groups),
         lr_names=lr_names,
         groups=tuple(groups),
         lr_group=lr_group,
         description=_describe(optimizer, configs),
+        torch_names=tuple(
+            tuple(name_of.get(id(p)) for p in g["params"]) for g in optimizer.param_groups
+        ),
+        source=source,
     )
 
 

@@ -106,7 +106,7 @@ def _coupled_decay(g: jax.Array, p: jax.Array, hp: Hyper) -> jax.Array:
 def _sgd_init(p: jax.Array, hp: Hyper) -> Slots:
     if _is_zero(hp["momentum"]) and "momentum" not in hp.get("_scheduled", ()):
         return {}
-    return {"buf": jnp.zeros_like(p), "has_buf": jnp.zeros((), jnp.bool_)}
+    return {"momentum_buffer": jnp.zeros_like(p), "has_momentum_buffer": jnp.zeros((), jnp.bool_)}
 
 
 def _sgd_step(
@@ -115,13 +115,16 @@ def _sgd_step(
     g = _coupled_decay(g, p, hp)
     if s:
         m, damp = hp["momentum"], hp["dampening"]
-        buf = jnp.where(s["has_buf"], s["buf"] * m + (1 - damp) * g, g)
+        buf = jnp.where(s["has_momentum_buffer"], s["momentum_buffer"] * m + (1 - damp) * g, g)
         d = g + m * buf if hp["nesterov"] else buf
         if isinstance(m, (int, float)):
-            s = {"buf": buf, "has_buf": jnp.ones((), jnp.bool_)}
+            s = {"momentum_buffer": buf, "has_momentum_buffer": jnp.ones((), jnp.bool_)}
         else:  # a scheduler moves momentum; torch skips the buffer while it is 0
             active = m != 0
-            s = {"buf": jnp.where(active, buf, s["buf"]), "has_buf": s["has_buf"] | active}
+            s = {
+                "momentum_buffer": jnp.where(active, buf, s["momentum_buffer"]),
+                "has_momentum_buffer": s["has_momentum_buffer"] | active,
+            }
             d = jnp.where(active, d, g)
         g = d
     return (p + (-hp["lr"]) * g) - p, s

@@ -184,7 +184,40 @@ def simulate(
     >>> opt.param_groups[0]["lr"]
     1.0
     """
-    total = max(int(total_steps), 1)
+    records, _, _ = run_schedule(
+        optimizer,
+        configs,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=max(int(total_steps), 1),
+        accumulate_grad_batches=accumulate_grad_batches,
+        batches_per_epoch=batches_per_epoch,
+    )
+    return records
+
+
+def run_schedule(
+    optimizer: torch.optim.Optimizer,
+    configs: Sequence[LRSchedulerConfig],
+    *,
+    steps_per_epoch: int | None,
+    total_steps: int,
+    accumulate_grad_batches: int = 1,
+    batches_per_epoch: int | None = None,
+) -> tuple[list[dict[str, list[Any]]], torch.optim.Optimizer, list[LRScheduler]]:
+    """:func:`simulate`, also returning the private copies after ``total_steps`` steps.
+
+    The copies' ``param_groups`` and scheduler ``state_dict()`` are then what the user's objects
+    would hold after that many optimizer steps in plain Lightning (``total_steps`` may be 0).
+
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = torch.optim.SGD([w], lr=1.0)
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    >>> _, o, (s,) = run_schedule(opt, [LRSchedulerConfig(sched, interval="step")],
+    ...                           steps_per_epoch=None, total_steps=3)
+    >>> o.param_groups[0]["lr"], s.last_epoch
+    (0.125, 3)
+    """
+    total = max(int(total_steps), 0)
     k = max(int(accumulate_grad_batches), 1)
     for config in configs:
         needs_epochs = config.interval == "epoch" or config.frequency > 1
@@ -219,4 +252,4 @@ def simulate(
             for config, sched in epoch_ones:
                 if (epoch + 1) % config.frequency == 0:
                     sched.step()
-    return records
+    return records, opt_copy, sched_copies
