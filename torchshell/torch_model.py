@@ -15,18 +15,19 @@ function ``apply(params, model_state, batch, rng, train) -> (outputs, model_stat
   ``momentum``, ``num_batches_tracked += 1``);
 - dropout (and any other torch random op) draws from the step's JAX key ``rng``, so a seed
   fixes it and two steps differ;
-- tensors the forward creates (``torch.arange``, ``torch.zeros``) are created as JAX arrays.
+- tensors the forward creates (``torch.arange``, ``torch.zeros``) are created as JAX arrays;
+- Python that reads tensor values is traced where it can be (:mod:`torchshell._torch_patterns`):
+  batch-independent values are concrete, traced bools branch with ``lax.cond``, and scalars
+  read from the batch are specialised (:func:`specialise_batch`).
 
-An op torchax cannot lower, or data-dependent Python control flow, raises
-:class:`~torchshell._errors.TorchModelError` naming the op and the module path.
+An op torchax cannot lower, or a value Python needs that none of these covers, raises
+:class:`~torchshell._errors.TorchModelError` naming the op, the module path and the line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import re
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,50 +35,23 @@ import jax
 import torch
 from torch import nn
 
-import bridge
 from jaxcore import BatchError, ModelFns
+from torchshell import _torch_patterns as patterns
 from torchshell._errors import TorchModelError
+from torchshell._torch_errors import is_lowering_error, lowering_error
+from torchshell._torch_export import params_to_state_dict
+from torchshell._torch_static import STATIC_KEY, StaticSpec, specialise_batch
 
 PyTree = Any
 Batch = Mapping[str, Any]
 
-__all__ = ["TorchTracer", "params_to_state_dict", "torch_model_fns"]
-
-_BATCH_NORM_OPS = (
-    "native_batch_norm.default",
-    "_native_batch_norm_legit.default",
-    "_native_batch_norm_legit_no_training.default",
-)
-_DATA_DEPENDENT = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.TracerArrayConversionError,
-)
-_FLAX_ROUTE = (
-    "or take the Flax route: write the model in Flax (jaxcore.linen_model) and keep this "
-    "nn.Module as its torch twin for export (docs/torch_model.md)."
-)
-
-
-def _environment() -> Any:
-    """A private torchax environment whose BatchNorm writes running stats back like torch.
-
-    torchax 0.0.13 lowers batch norm as a pure JAX op that drops the updated running stats
-    (and uses the biased variance). Here the three batch-norm ops run torch's own
-    decomposition on torchax tensors instead: its ``running_mean.copy_(...)`` mutates the
-    buffers we passed in, which :func:`torch_model_fns` reads back as the new model state.
-    """
-    # Imported here: importing torchax disables torch's MHA fast path process-wide, which
-    # only the users of this path should pay for.
-    from torch._decomp import get_decompositions
-    from torchax import tensor as torchax_tensor
-
-    env = torchax_tensor.Environment()
-    ops = [getattr(torch.ops.aten, name.split(".")[0]).default for name in _BATCH_NORM_OPS]
-    for op, impl in get_decompositions(ops).items():
-        env.override_op_definition(op, impl)
-    return env
+__all__ = [
+    "STATIC_KEY",
+    "TorchTracer",
+    "params_to_state_dict",
+    "specialise_batch",
+    "torch_model_fns",
+]
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:
@@ -114,47 +88,21 @@ def _mode(module: nn.Module, train: bool) -> Iterator[None]:
             m.training = was
 
 
-def _where(err: BaseException, names: Mapping[int, str]) -> tuple[str, str]:
-    """The innermost submodule whose ``forward`` was running when ``err`` was raised."""
-    path, site = "", ""
-    tb: types.TracebackType | None = err.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code  # a method's first argument, whatever its name
-        owner = tb.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        if owner is not None and id(owner) in names:
-            path = names[id(owner)] or "<root>"
-            path = f"{path} ({type(owner).__name__})"
-            site = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    return path or "<unknown>", site
-
-
-def _lowering_error(err: BaseException, names: Mapping[int, str], train: bool) -> TorchModelError:
-    path, site = _where(err, names)
-    mode = "train" if train else "eval"
-    at = f" at {site}" if site else ""
-    if type(err).__name__ == "OperatorNotFound":
-        found = re.search(r"name (\S+) has no lowering", str(err))
-        op = found.group(1) if found else str(err)
-        return TorchModelError(
-            f"torchax cannot lower the op `{op}`, called in module {path}{at} ({mode} mode). "
-            "Expected a forward made of ops torchax lowers to JAX. Fix: replace that layer "
-            f"with an equivalent made of supported ops, {_FLAX_ROUTE}"
-        )
-    if isinstance(err, _DATA_DEPENDENT):
-        return TorchModelError(
-            f"The forward of module {path}{at} ({mode} mode) needs a tensor's value in Python "
-            f"({type(err).__name__}: data-dependent control flow, .item(), or a shape that "
-            "depends on values), which a compiled JAX step cannot have. Fix: make the "
-            "computation shape-static (torch.where instead of `if`, masks instead of "
-            f"boolean indexing), {_FLAX_ROUTE}"
-        )
-    return TorchModelError(
-        f"The forward of module {path}{at} ({mode} mode) mixes a plain CPU torch.Tensor with "
-        f"the traced ones ({err}). Fix: register tensors the module keeps as buffers "
-        "(self.register_buffer(name, t, persistent=False)) instead of plain attributes, "
-        f"{_FLAX_ROUTE}"
-    )
+@contextlib.contextmanager
+def _attributes_kept(module: nn.Module) -> Iterator[None]:
+    """Plain tensor attributes a forward caches on its modules (``self.src_mask = mask``,
+    Lightning's demo Transformer) are put back afterwards: no traced tensor outlives a call."""
+    before = [
+        (m, k, v)
+        for m in module.modules()
+        for k, v in vars(m).items()
+        if v is None or isinstance(v, torch.Tensor)
+    ]
+    try:
+        yield
+    finally:
+        for m, k, v in before:
+            m.__dict__[k] = v
 
 
 class _Bound(nn.Module):
@@ -178,9 +126,13 @@ class TorchTracer:
     ``state0``; non-persistent buffers are constants. :meth:`call` runs any function of the
     module (its ``forward``, or e.g. a LightningModule's ``training_step``) with the weights
     swapped for JAX values, and returns the outputs as JAX arrays with the new model state.
+    The patterns of :mod:`torchshell._torch_patterns` apply to every call: batch-independent
+    values are concrete, traced bools become ``lax.cond`` (at most ``max_branches`` paths per
+    call), and host reads of the batch take the values of :meth:`static_values`.
 
     Args:
         module: the team's ``nn.Module``.
+        max_branches: the most ``lax.cond`` paths one call may trace.
 
     Example:
         >>> import jax, jax.numpy as jnp, torch
@@ -191,14 +143,16 @@ class TorchTracer:
         (4,)
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, max_branches: int = 64) -> None:
         if not isinstance(module, nn.Module):
             raise TorchModelError(
                 f"coreshell expects a torch.nn.Module, got {type(module).__name__}. Fix: pass "
                 "the module instance (e.g. MyNet(**kwargs)), not its class or a function."
             )
         self.module = module
-        self.env = _environment()
+        self.max_branches = max_branches
+        self.reads = patterns.Reads()
+        self.env = patterns.environment(self.reads)
         persistent = set(module.state_dict().keys())
         named = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
         self.params0 = {k: _to_jax(v) for k, v in module.named_parameters() if v.requires_grad}
@@ -224,14 +178,23 @@ class TorchTracer:
         ``jax`` device. Returns ``(outputs as JAX, new model state)``; in eval mode the
         model state comes back unchanged.
         """
+        self.reads.train = train
         with contextlib.ExitStack() as stack:
             # Lightning evaluates under torch.inference_mode, which skips the decompositions
             # torchax relies on (aten::dropout has no lowering): trace the same way always.
             stack.enter_context(torch.inference_mode(False))
             stack.enter_context(torch.no_grad())
-            return self._traced(fn, params, model_state, list(args), rng, train)
+            stack.enter_context(patterns.tracing())
+            where = f"{type(self.module).__name__} ({'train' if train else 'eval'} mode)"
+            return patterns.explore(
+                lambda decisions: self._run(
+                    fn, params, model_state, list(args), rng, train, decisions
+                ),
+                self.max_branches,
+                where,
+            )
 
-    def _traced(
+    def _run(
         self,
         fn: Callable[..., Any],
         params: PyTree,
@@ -239,23 +202,28 @@ class TorchTracer:
         args: list[Any],
         rng: jax.Array,
         train: bool,
+        decisions: tuple[bool, ...],
     ) -> tuple[PyTree, PyTree]:
+        """One run of ``fn`` along ``decisions`` (fresh tensors: a run mutates its buffers)."""
         env, module = self.env, self.module
+        self.reads.start(decisions)
         p, s, c, a = env.j2t_iso((dict(params), dict(model_state), self.consts, args))
         weights = {f"m.{k}": v for k, v in {**c, **s, **p}.items()}
         object.__setattr__(self._bound, "fn", None if fn is module else fn)
-        with _mode(module, train), env, env.override_property(prng=rng), torch.device("jax"):
+        with (
+            _mode(module, train),
+            _attributes_kept(module),
+            env,
+            env.override_property(prng=rng),
+            torch.device("jax"),
+        ):
             try:
                 out = torch.func.functional_call(
                     self._bound, weights, tuple(a), tie_weights=True, strict=False
                 )
             except Exception as err:  # named below; anything else propagates unchanged
-                if (
-                    type(err).__name__ == "OperatorNotFound"
-                    or isinstance(err, _DATA_DEPENDENT)
-                    or (isinstance(err, AssertionError) and "mixed math" in str(err))
-                ):
-                    raise _lowering_error(err, self.names, train) from err
+                if is_lowering_error(err):
+                    raise lowering_error(err, self.names, train) from err
                 raise
             finally:
                 object.__setattr__(self._bound, "fn", None)
@@ -264,6 +232,82 @@ class TorchTracer:
             return outputs, model_state
         new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}
         return outputs, new_state
+
+    @contextlib.contextmanager
+    def static_values(self, values: Mapping[int, Any] | None) -> Iterator[None]:
+        """Calls inside take host read number ``n`` as ``values[n]`` (see :meth:`discover`)."""
+        before = self.reads.statics
+        self.reads.statics = None if values is None else dict(values)
+        try:
+            yield
+        finally:
+            self.reads.statics = before
+
+    def _abstract(
+        self, fn: Callable[..., Any], args: Sequence[Any], train: bool, concrete: bool = True
+    ) -> None:
+        """``fn(*args)`` traced with abstract weights and key; ``args`` concrete or not."""
+        spec = jax.tree.map(_spec, (self.params0, self.state0))
+        if concrete:  # closed over: ops on them alone are evaluated while tracing
+            jax.eval_shape(
+                lambda p, s, r: self.call(fn, p, s, args, r, train), *spec, jax.random.key(0)
+            )
+        else:
+            jax.eval_shape(
+                lambda p, s, r, a: self.call(fn, p, s, a, r, train),
+                *spec,
+                jax.random.key(0),
+                jax.tree.map(_spec, list(args)),
+            )
+
+    def discover(self, fn: Callable[..., Any], args: Sequence[Any], train: bool) -> list[Any]:
+        """Traces ``fn(*args)`` on concrete ``args``: numbers the scalar reads, keeps kinds.
+
+        A read that is concrete here depends on the arguments and constants only (a host
+        read); one that is traced depends on the weights or the key. Returns each read's
+        value (``None`` for traced ones).
+        """
+        reads = self.reads
+        reads.mode, reads.kinds[train] = "discover", []
+        try:
+            self._abstract(fn, args, train)
+            return list(reads.values)
+        finally:
+            reads.mode = "step"
+
+    def probe(
+        self, fn: Callable[..., Any], args: Sequence[Any], train: bool, last: int
+    ) -> list[Any]:
+        """The values of host reads ``0..last`` of ``fn(*args)`` on concrete ``args``.
+
+        Traces only as far as read ``last``, with abstract weights (cheap when the reads
+        come early, as length masks do).
+        """
+        reads = self.reads
+        reads.mode, reads.stop_after = "probe", last
+        try:
+            self._abstract(fn, args, train)
+        except patterns.ProbeDone:
+            pass
+        finally:
+            reads.mode, reads.stop_after = "step", None
+        return list(reads.values)
+
+    def host_reads(
+        self, fn: Callable[..., Any], args: Sequence[Any], train: bool
+    ) -> dict[int, Any]:
+        """The host reads of ``fn(*args)`` that take a batch value, with their values here.
+
+        Runs :meth:`discover` on the concrete ``args``, then traces ``fn`` on abstract ones
+        with the discovered values supplied: the reads that consume one depend on ``args``.
+        """
+        values = self.discover(fn, args, train)
+        kinds = self.reads.kinds[train]
+        host = {n: values[n] for n, k in enumerate(kinds) if k == patterns.HOST}
+        self.reads.consumed = set()
+        with self.static_values(host):
+            self._abstract(fn, args, train, concrete=False)
+        return {n: host[n] for n in sorted(self.reads.consumed)}
 
     def check(self, fn: Callable[[PyTree, bool], Any], batch: PyTree) -> None:
         """Traces ``fn(batch, train)`` abstractly in train and eval mode (shapes only)."""
@@ -279,11 +323,18 @@ def _spec(v: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(v.shape, v.dtype)
 
 
+def _concrete(v: Any) -> Any:
+    return _to_jax(v) if isinstance(v, torch.Tensor) else jax.numpy.asarray(v)
+
+
 def torch_model_fns(
     module: nn.Module,
     inputs: Sequence[str] = ("x",),
     *,
     example: Batch | None = None,
+    static_buckets: Sequence[int] | None = None,
+    max_static: int = 8,
+    max_branches: int = 64,
 ) -> ModelFns:
     """Extracts a torch ``nn.Module`` into jaxcore's :class:`~jaxcore.ModelFns`.
 
@@ -291,13 +342,20 @@ def torch_model_fns(
     initialisation), copied: the module itself is never changed by training. ``apply`` calls
     ``module.forward(*[batch[k] for k in inputs])`` under torchax, in train or eval mode.
     The forward is traced (and unsupported ops reported) when ``example`` is given, and
-    otherwise on ``init``, before any training step.
+    otherwise on ``init``, before any training step, on that concrete batch: a forward that
+    reads a scalar from the batch in Python (``int(lengths.max())``) then needs
+    :func:`specialise_batch` on every batch before the step.
 
     Args:
         module: the team's ``nn.Module``.
         inputs: batch keys passed positionally to ``module.forward``.
         example: a batch (torch tensors or JAX arrays) to trace the forward with now, in
             train and eval mode.
+        static_buckets: integer scalars read from the batch are rounded up to the next of
+            these (so a run compiles at most one step per bucket); only for reads the forward
+            uses as an upper bound (a crop or mask length over padded, masked data).
+        max_static: distinct static values past which :func:`specialise_batch` warns.
+        max_branches: the most ``lax.cond`` paths (traced Python bools) one call may trace.
 
     Returns:
         ``ModelFns`` whose params are ``{state_dict name: array}`` of the trainable
@@ -319,84 +377,38 @@ def torch_model_fns(
         >>> fns.apply(params, state, batch, jax.random.key(1), False)[0].shape
         (2, 10)
     """
-    tracer = TorchTracer(module)
+    tracer = TorchTracer(module, max_branches=max_branches)
     keys = tuple(inputs)
+    static = StaticSpec(tracer, keys, static_buckets, max_static)
 
     def forward(
         params: PyTree, model_state: PyTree, batch: Batch, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
-        return tracer.call(module, params, model_state, _inputs(batch, keys), rng, train)
+        with tracer.static_values(static.values_of(batch, train)):
+            try:
+                return tracer.call(module, params, model_state, _inputs(batch, keys), rng, train)
+            except patterns.NeedsStatic as err:
+                raise static.missing(int(str(err)), train) from None
 
     def check(batch: Batch) -> None:
+        leaves = jax.tree.leaves(dict(batch))
+        concrete = None
+        if not any(isinstance(v, jax.core.Tracer) for v in leaves):  # else: inside a jit
+            concrete = jax.tree.map(_concrete, dict(batch))
+            for train in (True, False):
+                static.discover(concrete, train)
         tracer.check(
-            lambda b, t: forward(tracer.params0, tracer.state0, b, jax.random.key(0), t), batch
+            lambda b, t: forward(
+                tracer.params0, tracer.state0, static.attach(b, concrete, t), jax.random.key(0), t
+            ),
+            batch,
         )
 
     def init(rng: jax.Array, batch: Batch) -> tuple[PyTree, PyTree]:
         check(batch)
         return dict(tracer.params0), dict(tracer.state0)
 
+    forward.torch_static = static  # type: ignore[attr-defined]  # for specialise_batch
     if example is not None:
         check(example)
     return ModelFns(init, forward)
-
-
-def params_to_state_dict(
-    params: PyTree, model_state: PyTree, module: nn.Module | None = None
-) -> dict[str, torch.Tensor]:
-    """The trained params and model state as the module's ``state_dict`` (the identity).
-
-    With ``module``, tied parameters are filled under every name the module's ``state_dict``
-    uses, dtypes are the module's own (``num_batches_tracked`` back to int64), and keys and
-    shapes are checked, so ``module.load_state_dict(sd, strict=True)`` cannot fail.
-
-    Args:
-        params: ``{state_dict name: array}`` from :func:`torch_model_fns`' params.
-        model_state: the model state (buffers, frozen parameters).
-        module: the torch module the state dict is for.
-
-    Returns:
-        ``{name: torch.Tensor}`` on CPU, owning its memory (never aliasing JAX buffers).
-
-    Raises:
-        TorchModelError: keys or shapes that do not match ``module``.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, torch
-        >>> from torchshell.twins.digits import MLP
-        >>> net = MLP(64, features=(8,))
-        >>> fns = torch_model_fns(net)
-        >>> params, state = fns.init(jax.random.key(0), {"x": jnp.ones((2, 64))})
-        >>> net.load_state_dict(params_to_state_dict(params, state, net), strict=True)
-        <All keys matched successfully>
-    """
-    merged = {**dict(model_state), **dict(params)}
-    tensors = {k: bridge.to_torch(v).clone() for k, v in merged.items()}
-    if module is None:
-        return tensors
-    canonical: dict[int, str] = {}
-    for name, t in itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers()
-    ):
-        canonical.setdefault(id(t), name)
-    out: dict[str, torch.Tensor] = {}
-    missing, wrong = [], []
-    for key, ref in module.state_dict(keep_vars=True).items():
-        src = canonical.get(id(ref), key)
-        if src not in tensors:
-            missing.append(key)
-            continue
-        t = tensors[src]
-        if tuple(t.shape) != tuple(ref.shape):
-            wrong.append(f"{key}: {tuple(t.shape)} vs module {tuple(ref.shape)}")
-            continue
-        out[key] = t.to(ref.dtype)
-    used = {canonical.get(id(r), k) for k, r in module.state_dict(keep_vars=True).items()}
-    unexpected = sorted(set(tensors) - used)
-    if missing or wrong or unexpected:
-        raise TorchModelError(
-            f"The params and model state do not match {type(module).__name__}'s state_dict: "
-            f"missing {missing}, unexpected {unexpected}, shape mismatches {wrong}. Fix: export "
-            "with the same module class and constructor arguments that were extracted."
-        )
-    return out

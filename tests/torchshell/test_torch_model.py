@@ -21,7 +21,7 @@ from tests.helpers import quiet_trainer
 from torchshell import JaxModule
 from torchshell._errors import TorchModelError
 from torchshell.data.digits import DigitsDataModule
-from torchshell.torch_model import params_to_state_dict, torch_model_fns
+from torchshell.torch_model import params_to_state_dict, specialise_batch, torch_model_fns
 from torchshell.twins.digits import MLP
 
 ROWS = 8  # divisible by the 8 fake devices of the data axis
@@ -318,16 +318,20 @@ def test_unsupported_op_fails_at_extraction_naming_op_and_module():
     assert "Flax" in message
 
 
-def test_data_dependent_control_flow_is_reported_with_the_module():
-    fns = torch_model_fns(Branchy())
-    with pytest.raises(TorchModelError, match=r"<root> \(Branchy\).*data-dependent"):
-        jaxcore.init_train_state(
-            fns,
-            optax.sgd(0.1),
-            {"x": jnp.ones((8, 64))},
-            seed=0,
-            mesh=jaxcore.make_mesh({"data": -1}),
-        )
+def test_python_branch_on_the_batch_is_specialised_per_outcome():
+    # `if x.sum() > 0` reads the batch on the host: one compiled step per outcome
+    torch.manual_seed(7)
+    net = Branchy()
+    fns = torch_model_fns(net)
+    params, state = fns.init(jax.random.key(0), {"x": jnp.ones((8, 64))})
+    apply = jax.jit(fns.apply, static_argnums=4)
+    for sign in (1.0, -1.0, 1.0):
+        batch = specialise_batch(fns, {"x": sign * jnp.ones((8, 64))})
+        out = apply(params, state, batch, jax.random.key(0), True)[0]
+        with torch.no_grad():
+            ref = net(sign * torch.ones(8, 64)).numpy()
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5)
+    assert apply._cache_size() == 2
 
 
 def test_plain_tensor_attribute_is_reported_with_the_fix():

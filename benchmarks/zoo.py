@@ -1,0 +1,98 @@
+"""The model zoo table: each public model's parity through the jaxcore step, and its speed.
+
+For every entry of ``tests/zoo/models.py``: 3 SGD steps through ``torch_model_fns`` +
+``jaxcore.make_train_step`` against ``torch.optim.SGD`` on the same module and batches (max
+relative parameter/buffer difference, fp32), the strict ``load_state_dict`` of the trained
+weights into a fresh instance, and the median step time of the jitted step against plain
+torch eager (forward + backward + SGD) on the same batch. One JAX CPU device.
+
+    .venv/bin/python benchmarks/zoo.py --write docs/zoo.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TOL = 1e-4
+BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
+
+
+def run_entry(entry, rounds: int) -> dict:
+    from tests.zoo.harness import sgd_parity
+    from tests.zoo.models import build
+    from torchshell._errors import TorchModelError
+
+    net, batches = build(entry)
+    t0 = time.perf_counter()
+    try:
+        p = sgd_parity(net, batches, entry.inputs, entry.kind, entry.pick, rounds=rounds,
+                       **entry.kwargs)
+    except TorchModelError as err:
+        return {"result": "TorchModelError", "reason": str(err).split(". Fix")[0],
+                "seconds": time.perf_counter() - t0}
+    ok = p.max_rel <= TOL
+    return {"result": "parity" if ok else "mismatch", "max_rel": p.max_rel,
+            "jax_ms": p.jax_ms, "torch_ms": p.torch_ms, "seconds": time.perf_counter() - t0,
+            "reason": "" if ok else f"max rel diff {p.max_rel:.2e} > {TOL}"}
+
+
+def table(rows: list[tuple]) -> str:
+    n_ok = sum(r[2]["result"] == "parity" for r in rows)
+    lines = [
+        BEGIN,
+        f"**{n_ok} of {len(rows)} train with parity ({100 * n_ok / len(rows):.0f}%).**",
+        "",
+        "| model | source | result | max rel diff | step ms (torchax, jitted) | step ms "
+        "(torch eager) | torch / torchax | reason |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, source, r in rows:
+        rel = f"{r['max_rel']:.1e}" if "max_rel" in r else "-"
+        jm, tm = r.get("jax_ms"), r.get("torch_ms")
+        speed = f"{tm / jm:.2f}" if jm and tm and jm == jm else "-"
+        fmt = lambda v: f"{v:.2f}" if v is not None and v == v else "-"  # noqa: E731
+        reason = r.get("reason", "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {name} | {source} | {r['result']} | {rel} | {fmt(jm)} | {fmt(tm)} "
+                     f"| {speed} | {reason} |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", type=Path, help="replace the table between the markers")
+    ap.add_argument("--rounds", type=int, default=5, help="timed steps per model (median)")
+    ap.add_argument("--only", default="", help="substring of the model names to run")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from tests.zoo.models import zoo
+
+    rows = []
+    for entry in zoo():
+        if args.only and args.only not in entry.name:
+            continue
+        r = run_entry(entry, args.rounds)
+        print(f"{entry.name:60s} {r['result']:15s} {r.get('max_rel', '-')!s:24s} "
+              f"{r['seconds']:.1f}s {r.get('reason', '')[:150]}", flush=True)
+        rows.append((entry.name, entry.source, r))
+    text = table(rows)
+    if args.write:
+        doc = args.write.read_text() if args.write.exists() else f"{BEGIN}\n{END}\n"
+        head, rest = doc.split(BEGIN, 1)
+        args.write.write_text(head + text + rest.split(END, 1)[1])
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

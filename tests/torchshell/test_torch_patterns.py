@@ -1,0 +1,269 @@
+"""The PyTorch patterns torchax alone refuses, traced (torchshell/_torch_patterns.py).
+
+Each test runs the real module through ``torch_model_fns`` and the jaxcore train step (or
+the traced apply) and checks the outcome against torch itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import torchaudio
+from torch import nn
+
+import jaxcore
+from tests.zoo.harness import sgd_parity
+from torchshell._errors import TorchModelError
+from torchshell.torch_model import STATIC_KEY, specialise_batch, torch_model_fns
+
+
+def _seq_batches(n: int, t: int = 8) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 50, (2, t), generator=g)
+        out.append({"x": x, "t": x.roll(-1, 1), "y": x.roll(-1, 1)})
+    return out
+
+
+# -- values that do not depend on the batch are concrete ----------------------------------
+def test_lightning_demo_transformer_mask_detection_traces_and_matches_torch_sgd():
+    from lightning.pytorch.demos import Transformer
+
+    # its decoder runs _detect_is_causal_mask: torch.equal(mask built from shapes, mask)
+    torch.manual_seed(0)
+    net = Transformer(vocab_size=50, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+    p = sgd_parity(net, _seq_batches(3), ("x", "t"), "ce")
+    assert p.max_rel <= 1e-4
+    np.testing.assert_allclose(p.jax_losses, p.torch_losses, rtol=1e-4)
+    assert net.src_mask is None  # no traced tensor cached on the module
+
+
+def test_torch_equal_of_masks_from_shapes_is_a_python_bool_at_trace_time():
+    class Detect(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+            same = torch.equal(mask, nn.Transformer.generate_square_subsequent_mask(t))
+            assert same is True  # a real Python bool, computed while tracing
+            return self.lin(x) * (2.0 if same else 1.0)
+
+    net = Detect()
+    fns = torch_model_fns(net, example={"x": torch.ones(2, 3, 4)})
+    assert not fns.apply.torch_static.needed(True)  # nothing to specialise per batch
+    params, state = fns.init(jax.random.key(0), {"x": jnp.ones((2, 3, 4))})
+    out = jax.jit(fns.apply, static_argnums=4)(
+        params, state, {"x": jnp.ones((2, 3, 4))}, jax.random.key(0), True
+    )[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(out), net(torch.ones(2, 3, 4)).numpy(), rtol=1e-6)
+
+
+# -- eval-mode fast paths take the math path ----------------------------------------------
+def test_encoder_nested_tensor_fast_path_in_eval_is_routed_to_the_math_path():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    torch.manual_seed(1)
+    net = nn.TransformerEncoder(layer, 2)  # enable_nested_tensor=True (the default)
+    assert net.use_nested_tensor
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+
+    class Padded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = net
+
+        def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return self.enc(x, src_key_padding_mask=m)
+
+    fns = torch_model_fns(Padded(), ("x", "m"))
+    batch = {"x": jnp.asarray(x.numpy()), "m": jnp.asarray(pad.numpy())}
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(True)  # as a user, or torch by default
+    try:
+        params, state = fns.init(jax.random.key(0), batch)
+        out = jax.jit(fns.apply, static_argnums=4)(params, state, batch, jax.random.key(0), False)
+        assert torch.backends.mha.get_fastpath_enabled()  # put back after tracing
+        net.eval()
+        with torch.no_grad():
+            ref = net(x, src_key_padding_mask=pad)  # torch's nested-tensor fast path
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+    keep = ~pad.numpy()  # the fast path writes 0 at padded positions, the math path does not
+    np.testing.assert_allclose(np.asarray(out[0])[keep], ref.numpy()[keep], rtol=1e-4, atol=1e-5)
+
+
+# -- a random draw used as a Python bool becomes lax.cond on the step's key -----------------
+def _transformer(layer_drop: float) -> nn.Module:
+    from torchaudio.models.wav2vec2 import components
+
+    torch.manual_seed(2)
+    enc = components._get_encoder(
+        in_features=8, embed_dim=16, dropout_input=0.0, pos_conv_kernel=4, pos_conv_groups=2,
+        num_layers=2, num_heads=2, attention_dropout=0.0, ff_interm_features=32,
+        ff_interm_dropout=0.0, dropout=0.0, layer_norm_first=True, layer_drop=layer_drop,
+    )  # fmt: skip
+    return enc.transformer  # the torchaudio Transformer with `torch.rand(1).item() <= p`
+
+
+def test_layer_drop_is_a_traced_branch_that_varies_per_step_like_torch():
+    net = _transformer(layer_drop=0.5)
+    x = torch.randn(2, 5, 16)
+    fns = torch_model_fns(net)
+    batch = {"x": jnp.asarray(x.numpy())}
+    params, state = fns.init(jax.random.key(0), batch)
+    apply = jax.jit(fns.apply, static_argnums=4)
+    jaxpr = str(jax.make_jaxpr(lambda p, r: fns.apply(p, state, batch, r, True)[0])(
+        params, jax.random.key(0)
+    ))  # fmt: skip
+    assert jaxpr.count("cond[") >= 2  # one traced branch per layer
+
+    # torch's four outcomes: each layer kept or dropped
+    refs = {}
+    layers = net.layers
+    net.train()
+    with torch.no_grad():
+        for keep in [(a, b) for a in (0, 1) for b in (0, 1)]:
+            net.layers = nn.ModuleList([m for m, k in zip(layers, keep, strict=True) if k])
+            net.layer_drop = 0.0
+            refs[keep] = net(x).numpy()
+    net.layers, net.layer_drop = layers, 0.5
+    seen = set()
+    for i in range(8):
+        out = np.asarray(apply(params, state, batch, jax.random.key(i), True)[0])
+        match = [k for k, r in refs.items() if np.allclose(out, r, rtol=1e-4, atol=1e-5)]
+        assert len(match) == 1, f"key {i}: output is none of torch's layer-drop outcomes"
+        seen.add(match[0])
+    assert len(seen) >= 3  # the draw follows the step's key: different layers each step
+    same = [apply(params, state, batch, jax.random.key(7), True)[0] for _ in range(2)]
+    np.testing.assert_array_equal(np.asarray(same[0]), np.asarray(same[1]))
+    # eval mode never draws (`self.training and ...`): all layers, as torch
+    net.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            np.asarray(apply(params, state, batch, jax.random.key(0), False)[0]),
+            net(x).numpy(), rtol=1e-4, atol=1e-5,
+        )  # fmt: skip
+    grads = jax.grad(lambda p: apply(p, state, batch, jax.random.key(3), True)[0].sum())(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads.values())
+
+
+def test_too_many_traced_branches_in_one_call_are_refused_with_the_fix():
+    class Drops(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                if torch.rand(1).item() > 0.5:
+                    x = layer(x)
+            return x
+
+    with pytest.raises(TorchModelError, match=r"torch\.where.*max_branches"):
+        torch_model_fns(Drops(), example={"x": torch.ones(2, 4)}, max_branches=8)
+
+
+# -- a scalar read from the batch on the host is specialised ----------------------------------
+def test_conformer_lengths_max_item_is_specialised_per_value_and_matches_torch_sgd():
+    torch.manual_seed(3)
+    net = torchaudio.models.Conformer(16, 2, 32, 1, 3)  # int(torch.max(lengths).item())
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for t in (10, 10, 12, 12):  # the padding mask's length: two distinct values
+        n = torch.tensor([t, t - 3])
+        batches.append({"x": torch.randn(2, t, 16, generator=g), "n": n, "y": torch.zeros(2)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = sgd_parity(net, batches, ("x", "n"), "l2", lambda o: o[0], max_static=1)
+    assert p.max_rel <= 1e-4
+    np.testing.assert_allclose(p.jax_losses, p.torch_losses, rtol=1e-4)
+    assert p.recompiles == 1  # one compiled step per distinct max length
+    past = [w for w in caught if "max_static=1" in str(w.message)]
+    assert len(past) == 1 and issubclass(past[0].category, RuntimeWarning)
+
+
+class Crop(nn.Module):
+    """Averages the valid steps after cropping to the longest: `x[:, :int(n.max())]`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[:, : int(n.max())].sum(1) / n[:, None])  # zero padding adds 0
+
+
+def test_static_buckets_bound_the_compiled_shapes_and_stay_exact():
+    torch.manual_seed(4)
+    net = Crop()
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for m in (3, 5, 7, 6, 2):  # maxima 3, 5, 7, 6, 2 -> buckets 4, 8, 8, 8, 4
+        x = torch.randn(2, 8, 3, generator=g)
+        n = torch.tensor([m, 1])
+        x[0, m:] = 0
+        x[1, 1:] = 0
+        batches.append({"x": x, "n": n, "y": torch.zeros(2)})
+    p = sgd_parity(net, batches, ("x", "n"), "l2", static_buckets=(4, 8))
+    assert p.max_rel <= 1e-4
+    np.testing.assert_allclose(p.jax_losses, p.torch_losses, rtol=1e-4)
+    assert p.recompiles == 1  # two buckets, not four lengths
+
+
+def test_host_read_without_specialise_batch_says_what_to_call():
+    fns = torch_model_fns(Crop(), ("x", "n"))
+    batch = {"x": jnp.ones((2, 8, 3)), "n": jnp.array([3, 5])}
+    params, state = fns.init(jax.random.key(0), batch)
+    step = jax.jit(fns.apply, static_argnums=4)
+    with pytest.raises(TorchModelError, match=r"specialise_batch\(fns, batch, train=True\)"):
+        step(params, state, batch, jax.random.key(0), True)
+    b = specialise_batch(fns, batch)
+    assert b[STATIC_KEY].shape[:2] == (2, 0)  # rows like the batch, no elements
+    assert step(params, state, b, jax.random.key(0), True)[0].shape == (2, 2)
+    plain = torch_model_fns(nn.Linear(3, 2))
+    plain.init(jax.random.key(0), {"x": jnp.ones((2, 3))})
+    same = {"x": jnp.ones((2, 3))}
+    assert specialise_batch(plain, same) is same  # no reads: the batch unchanged
+
+
+def test_make_train_step_with_specialised_batches_counts_recompiles():
+    torch.manual_seed(5)
+    fns = torch_model_fns(Crop(), ("x", "n"))
+    mesh = jaxcore.make_mesh({"data": -1})
+    tx = optax.sgd(0.1)
+    batch = {"x": jnp.ones((8, 8, 3)), "n": jnp.full((8,), 4), "y": jnp.zeros(8)}
+    state = jaxcore.init_train_state(fns, tx, specialise_batch(fns, batch), seed=0, mesh=mesh)
+
+    def loss(out: jax.Array, b: dict) -> tuple[jax.Array, dict]:
+        return (out**2).mean(1), {}
+
+    step = jaxcore.make_train_step(fns, loss, tx, state_sharding=jaxcore.state_shardings(state))
+    for m in (4, 4, 6, 4):
+        b = {**batch, "n": jnp.full((8,), m)}
+        state, _ = step(state, specialise_batch(fns, b))
+    assert step.recompiles == 1
+
+
+def test_a_number_from_the_weights_is_still_reported_with_the_module():
+    class FromWeights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(int(self.lin.weight.abs().sum() * 10)) + 1
+
+    with pytest.raises(TorchModelError, match=r"<root> \(FromWeights\).*needs a tensor's value"):
+        torch_model_fns(FromWeights(), example={"x": torch.ones(2, 4)})

@@ -1,0 +1,165 @@
+"""One zoo check: N SGD steps through the jaxcore step against torch.optim.SGD, then export.
+
+``sgd_parity`` trains a copy of the module in plain PyTorch and the traced module through
+``torch_model_fns`` + ``jaxcore.make_train_step`` on the same batches, with the same loss
+(written once for torch and once for JAX), and reports the largest relative difference of
+any parameter or buffer (``max|jax - torch| / max|torch|`` per tensor), the losses, and the
+median step time of both (the jitted step vs torch eager forward + backward + SGD).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jaxcore
+from torchshell.torch_model import params_to_state_dict, specialise_batch, torch_model_fns
+
+Pick = Callable[[Any], Any]
+
+
+@dataclass
+class Parity:
+    max_rel: float
+    jax_losses: list[float]
+    torch_losses: list[float]
+    jax_ms: float
+    torch_ms: float
+    recompiles: int
+
+
+def _host(batch: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in batch.items():
+        a = v.numpy()
+        out[k] = a.astype(np.int32) if a.dtype == np.int64 else a
+    return out
+
+
+def torch_loss(kind: str, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch rows (``y``'s) of the per-row loss: ``ce`` (token-mean cross
+    entropy against ``y``'s labels) or ``l2`` (mean square of the outputs; ``y`` unused)."""
+    rows = y.shape[0]
+    if kind == "ce":
+        per = torch.nn.functional.cross_entropy(
+            z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none"
+        )
+    else:
+        per = z.float() ** 2
+    return per.reshape(rows, -1).mean(1).mean()
+
+
+def jax_loss(kind: str, pick: Pick) -> jaxcore.LossFn:
+    def loss(outputs: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        z, y = pick(outputs), batch["y"]
+        if kind == "ce":
+            per = optax.softmax_cross_entropy_with_integer_labels(
+                z.reshape(-1, z.shape[-1]), y.reshape(-1)
+            )
+        else:
+            per = z.astype(jnp.float32) ** 2
+        per = per.reshape(y.shape[0], -1).mean(1)
+        return per, {}
+
+    return loss
+
+
+def sgd_parity(
+    net: torch.nn.Module,
+    batches: Sequence[dict[str, torch.Tensor]],
+    inputs: Sequence[str],
+    kind: str,
+    pick: Pick = lambda o: o,
+    lr: float = 0.05,
+    rounds: int = 0,
+    **fns_kwargs: Any,
+) -> Parity:
+    """N = len(batches) SGD steps both ways; with ``rounds`` > 0 also step times."""
+    ref = copy.deepcopy(net)
+    fns = torch_model_fns(net, inputs, **fns_kwargs)
+    mesh = jaxcore.make_mesh({"data": 1}, num_devices=1)
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    tx = optax.sgd(lr)
+    put = [jax.device_put(_host(b), sharding) for b in batches]
+    first = specialise_batch(fns, put[0])  # finds host reads on the concrete batch
+    state = jaxcore.init_train_state(fns, tx, first, seed=0, mesh=mesh)
+    step = jaxcore.make_train_step(
+        fns, jax_loss(kind, pick), tx, state_sharding=jaxcore.state_shardings(state)
+    )
+    jl = []
+    for b in put:
+        state, metrics = step(state, specialise_batch(fns, b))
+        jl.append(float(metrics["loss"]))
+
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    ref.train()
+
+    def torch_step(b: dict[str, torch.Tensor]) -> float:
+        opt.zero_grad()
+        loss = torch_loss(kind, pick(ref(*[b[k] for k in inputs])), b["y"])
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    tl = [torch_step(b) for b in batches]
+    trained = {**state.model_state, **state.params}
+    rel = 0.0
+    for name, t in ref.state_dict().items():
+        if name not in trained:
+            continue  # tied duplicates: params_to_state_dict below checks them
+        a = np.asarray(trained[name], np.float64)
+        b = t.detach().double().numpy()
+        rel = max(rel, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-8)) if b.size else 0)
+    fresh = copy.deepcopy(ref)  # an instance that never met torchax
+    fresh.load_state_dict(params_to_state_dict(state.params, state.model_state, fresh), strict=True)
+    jax_ms = torch_ms = float("nan")
+    if rounds:
+        b0, p0 = batches[0], specialise_batch(fns, put[0])
+        jt, tt = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            state, metrics = step(state, p0)
+            jax.block_until_ready(metrics["loss"])
+            jt.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            torch_step(b0)
+            tt.append(time.perf_counter() - t0)
+        jax_ms, torch_ms = 1e3 * statistics.median(jt), 1e3 * statistics.median(tt)
+    return Parity(rel, jl, tl, jax_ms, torch_ms, step.recompiles)
+
+
+def trainer_check(
+    net: torch.nn.Module,
+    batches: Sequence[dict[str, torch.Tensor]],
+    inputs: Sequence[str],
+    kind: str,
+    pick: Pick = lambda o: o,
+) -> None:
+    """A train and a validation step under the real Lightning Trainer."""
+    from tests.helpers import quiet_trainer
+    from torchshell import JaxModule
+
+    module = JaxModule.from_torch(
+        copy.deepcopy(net),
+        jax_loss(kind, pick),
+        optax.sgd(0.05),
+        inputs=tuple(inputs),
+        mesh=jaxcore.make_mesh({"data": 1}, num_devices=1),
+        print_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(list(batches), batch_size=None)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=1, num_sanity_val_steps=0)
+    trainer.fit(module, loader, loader)
+    assert trainer.global_step == 1
+    assert np.isfinite(float(jnp.asarray(jax.tree.leaves(module.state.params)[0]).sum()))

@@ -1,0 +1,78 @@
+"""The messages of :mod:`torchshell.torch_model`: which op, which module, which source line."""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Mapping
+
+import jax
+
+from torchshell._errors import TorchModelError
+
+DATA_DEPENDENT = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+FLAX_ROUTE = (
+    "or take the Flax route: write the model in Flax (jaxcore.linen_model) and keep this "
+    "nn.Module as its torch twin for export (docs/torch_model.md)."
+)
+
+
+def is_lowering_error(err: BaseException) -> bool:
+    """An error of tracing that :func:`lowering_error` explains."""
+    return (
+        type(err).__name__ == "OperatorNotFound"
+        or isinstance(err, DATA_DEPENDENT)
+        or (isinstance(err, AssertionError) and "mixed math" in str(err))
+    )
+
+
+def where(err: BaseException, names: Mapping[int, str]) -> tuple[str, str]:
+    """The innermost submodule whose ``forward`` was running when ``err`` was raised."""
+    path, site = "", ""
+    tb: types.TracebackType | None = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code  # a method's first argument, whatever its name
+        owner = tb.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if owner is not None and id(owner) in names:
+            path = names[id(owner)] or "<root>"
+            path = f"{path} ({type(owner).__name__})"
+            site = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return path or "<unknown>", site
+
+
+def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) -> TorchModelError:
+    """A :class:`TorchModelError` for ``err`` naming the op, the module path and the line."""
+    path, site = where(err, names)
+    mode = "train" if train else "eval"
+    at = f" at {site}" if site else ""
+    if type(err).__name__ == "OperatorNotFound":
+        found = re.search(r"name (\S+) has no lowering", str(err))
+        op = found.group(1) if found else str(err)
+        return TorchModelError(
+            f"torchax cannot lower the op `{op}`, called in module {path}{at} ({mode} mode). "
+            "Expected a forward made of ops torchax lowers to JAX. Fix: replace that layer "
+            f"with an equivalent made of supported ops, {FLAX_ROUTE}"
+        )
+    if isinstance(err, DATA_DEPENDENT):
+        return TorchModelError(
+            f"The forward of module {path}{at} ({mode} mode) needs a tensor's value in Python "
+            f"({type(err).__name__}: a number (int/float/shape) computed from the weights or "
+            "a random draw, or a shape that depends on values), which a compiled JAX step "
+            "cannot have. Traced bools branch (lax.cond) and batch scalars are specialised "
+            "(found on a concrete batch: torch_model_fns(..., example=batch), or "
+            "specialise_batch before jaxcore.init_train_state), but this is neither. "
+            "Fix: make the computation shape-static (torch.where "
+            f"instead of `if`, masks instead of boolean indexing), {FLAX_ROUTE}"
+        )
+    return TorchModelError(
+        f"The forward of module {path}{at} ({mode} mode) mixes a plain CPU torch.Tensor with "
+        f"the traced ones ({err}). Fix: register tensors the module keeps as buffers "
+        "(self.register_buffer(name, t, persistent=False)) instead of plain attributes, "
+        f"{FLAX_ROUTE}"
+    )

@@ -1,0 +1,273 @@
+"""The torchax environment of :mod:`torchshell.torch_model`, and the PyTorch patterns it traces.
+
+Real torch code reads tensor values in Python. Under ``jax.jit`` every value is a tracer, so
+torchax alone stops there. This environment traces four such patterns instead:
+
+- **values that do not depend on the batch** (masks built from shapes,
+  ``generate_square_subsequent_mask``, ``torch.equal`` of two such masks in
+  ``nn.TransformerDecoder``'s ``_detect_is_causal_mask``) are computed while tracing (JAX's
+  eager constant folding), so Python sees concrete values;
+- **eval-mode fast paths** torchax cannot lower (the nested-tensor path of
+  ``nn.TransformerEncoder`` with a padding mask, the fused MHA kernel) are switched off while
+  tracing, so torch takes its math path;
+- **a traced value used as a Python bool** (layer drop: ``torch.rand(1).item() <= p``)
+  becomes a ``lax.cond`` on that value: the traced function is re-run once per outcome
+  (:func:`explore`), so the step draws it from its key, like torch, differently every step;
+- **a scalar read from the batch** (``int(lengths.max().item())``) is *specialised*: found by
+  a discovery trace on a concrete batch, evaluated on the host batch before each step
+  (:class:`Reads` in ``probe`` mode) and handed to the compiled step as a static value.
+
+A scalar read is any of ``Tensor.item``, ``bool``, ``int``, ``float``, ``__index__`` and
+``torch.equal``. Reads are numbered in the order the traced code makes them; discovery learns
+which are host reads, and the step matches them by that number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchshell._errors import TorchModelError
+
+_BATCH_NORM_OPS = (
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+)
+HOST, TRACED = "host", "traced"
+
+
+class Branch(BaseException):  # control flow, not an error: passes `except Exception`
+    """Raised at a traced value used as a Python bool whose outcome this run has not fixed."""
+
+    def __init__(self, pred: jax.Array) -> None:
+        super().__init__("traced branch")
+        self.pred = pred
+
+
+class ProbeDone(BaseException):
+    """Raised by a probe once it has read every host value it needs."""
+
+
+class NeedsStatic(Exception):
+    """A host read met a traced batch with no static value supplied."""
+
+
+class Reads:
+    """Numbered scalar reads of one tracer: what discovery learnt and what a run supplies.
+
+    Attributes:
+        mode: ``"discover"`` (concrete batch: a concrete read is a host read), ``"step"``
+            (host reads come from ``statics``) or ``"probe"`` (like discover, stops early).
+        kinds: per train flag, the kind of each numbered read found by discovery.
+        used: per train flag, the read numbers the compiled step needs as static values.
+    """
+
+    def __init__(self) -> None:
+        self.mode = "step"
+        self.train = True
+        self.kinds: dict[bool, list[str]] = {}
+        self.used: dict[bool, list[int]] = {}
+        self.values: list[Any] = []  # discover/probe: the value of every read, by number
+        self.statics: dict[int, Any] | None = None  # step: read number -> static value
+        self.stop_after: int | None = None
+        self.consumed: set[int] = set()  # step: the read numbers that took a static value
+        self.decisions: tuple[bool, ...] = ()
+        self.k = 0  # reads so far in this run
+        self.d = 0  # decisions so far in this run
+
+    def start(self, decisions: tuple[bool, ...]) -> None:
+        """A fresh run along ``decisions``."""
+        self.k, self.d, self.decisions, self.values = 0, 0, decisions, []
+
+    def read(
+        self, t: Any, as_python: Callable[[Any], Any], traced: Callable[[Any], Any] | None
+    ) -> Any:
+        """The Python value of a scalar read of the torchax tensor ``t``.
+
+        ``as_python`` converts a concrete value; ``traced`` makes the result for a traced one
+        (``None``: the read needs a number, and a traced value cannot be one).
+        """
+        x = t._elem if hasattr(t, "_elem") else t
+        n, self.k = self.k, self.k + 1
+        concrete = not isinstance(x, jax.core.Tracer)
+        if self.mode != "step":
+            if self.mode == "discover":
+                kinds = self.kinds.setdefault(self.train, [])
+                if len(kinds) <= n:
+                    kinds.append(HOST if concrete else TRACED)
+            value = as_python(x) if concrete else None
+            self.values.append(value)
+            if self.mode == "probe" and self.stop_after is not None and n >= self.stop_after:
+                raise ProbeDone()
+            if concrete:
+                return value
+        elif concrete:
+            return as_python(x)
+        else:
+            kinds = self.kinds.get(self.train, [])
+            if n < len(kinds) and kinds[n] == HOST:
+                if self.statics is None or n not in self.statics:
+                    raise NeedsStatic(n)
+                self.consumed.add(n)
+                return self.statics[n]
+        if traced is None:
+            raise jax.errors.ConcretizationTypeError(x, "a traced value read as a Python number")
+        return traced(x)
+
+    def decide(self, pred: Any) -> bool:
+        """The outcome of a traced bool along this run's decisions, or :class:`Branch`."""
+        if self.mode == "probe":
+            return True  # a probe only reads host values; any path leads to them
+        if self.d < len(self.decisions):
+            self.d += 1
+            return self.decisions[self.d - 1]
+        raise Branch(jnp.asarray(pred).reshape(()).astype(bool))
+
+
+class TracedScalar:
+    """``t.item()`` of a traced value: comparisons stay traced, ``bool()`` branches."""
+
+    def __init__(self, x: jax.Array, reads: Reads) -> None:
+        self.x, self.reads = jnp.asarray(x).reshape(()), reads
+
+    def _cmp(self, op: Callable[[Any, Any], Any], other: Any) -> TracedScalar:
+        other = other.x if isinstance(other, TracedScalar) else other
+        return TracedScalar(op(self.x, other), self.reads)
+
+    def __lt__(self, o: Any) -> TracedScalar:
+        return self._cmp(jnp.less, o)
+
+    def __le__(self, o: Any) -> TracedScalar:
+        return self._cmp(jnp.less_equal, o)
+
+    def __gt__(self, o: Any) -> TracedScalar:
+        return self._cmp(jnp.greater, o)
+
+    def __ge__(self, o: Any) -> TracedScalar:
+        return self._cmp(jnp.greater_equal, o)
+
+    def __eq__(self, o: Any) -> TracedScalar:  # type: ignore[override]
+        return self._cmp(jnp.equal, o)
+
+    def __ne__(self, o: Any) -> TracedScalar:  # type: ignore[override]
+        return self._cmp(jnp.not_equal, o)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        return self.reads.decide(self.x != 0)
+
+    def _number(self, *_: Any) -> Any:
+        raise jax.errors.ConcretizationTypeError(self.x, "a traced .item() used as a number")
+
+    __int__ = __float__ = __index__ = _number
+
+
+def _scalar_reads(env: Any, reads: Reads) -> None:
+    """Routes every Python read of a torchax tensor through ``reads``."""
+    base = torch._C.TensorBase
+
+    def as_bool(x: Any) -> bool:
+        return bool(jnp.asarray(x).reshape(()) != 0)
+
+    def branch(x: Any) -> bool:
+        return reads.decide(jnp.reshape(x, ()) != 0)
+
+    ops = {
+        base.item: lambda t: reads.read(t, lambda x: x.item(), lambda x: TracedScalar(x, reads)),
+        base.__bool__: lambda t: reads.read(t, as_bool, branch),
+        base.__int__: lambda t: reads.read(t, lambda x: int(x.reshape(())), None),
+        base.__index__: lambda t: reads.read(t, lambda x: int(x.reshape(())), None),
+        base.__float__: lambda t: reads.read(t, lambda x: float(x.reshape(())), None),
+    }
+    for fn, impl in ops.items():
+        env.override_op_definition(fn, impl)
+
+    def equal(a: Any, b: Any) -> bool:
+        if tuple(a.shape) != tuple(b.shape):
+            return False
+        eq = env.j2t_iso(jnp.array_equal(a._elem, b._elem))
+        return reads.read(eq, bool, reads.decide)
+
+    env.override_op_definition(torch.equal, equal)
+
+
+def environment(reads: Reads) -> Any:
+    """A private torchax environment: torch's BatchNorm math and the scalar reads above.
+
+    torchax 0.0.13 lowers batch norm as a pure JAX op that drops the updated running stats
+    (and uses the biased variance). Here the three batch-norm ops run torch's own
+    decomposition on torchax tensors instead: its ``running_mean.copy_(...)`` mutates the
+    buffers we passed in, which the tracer reads back as the new model state.
+    """
+    # Imported here: importing torchax disables torch's MHA fast path process-wide, which
+    # only the users of this path should pay for.
+    from torch._decomp import get_decompositions
+    from torchax import tensor as torchax_tensor
+
+    env = torchax_tensor.Environment()
+    ops = [getattr(torch.ops.aten, name).default for name in _BATCH_NORM_OPS]
+    for op, impl in get_decompositions(ops).items():
+        env.override_op_definition(op, impl)
+    _scalar_reads(env, reads)
+    return env
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Constant folding on and torch's fused fast paths off, for the duration of a trace."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
+    try:
+        with jax.ensure_compile_time_eval():  # batch-independent values stay concrete
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def explore(run: Callable[[tuple[bool, ...]], Any], max_paths: int, where: str) -> Any:
+    """``run(())``, with every traced Python bool it meets turned into a ``lax.cond``.
+
+    ``run(decisions)`` executes the traced code taking the first ``len(decisions)`` traced
+    bools as given; at the next one it raises :class:`Branch`, and the code is run again
+    once per outcome inside ``lax.cond`` (each run draws the same random values up to that
+    point, as the key is the same). Paths grow as 2**decisions; more than ``max_paths``
+    raises :class:`TorchModelError`.
+    """
+    paths = [0]
+
+    def go(decisions: tuple[bool, ...]) -> Any:
+        try:
+            return run(decisions)
+        except Branch as b:
+            paths[0] += 1
+            if paths[0] >= max_paths:
+                raise TorchModelError(
+                    f"The code of {where} uses more than {len(decisions)} traced values as "
+                    f"Python bools in one call (e.g. layer drop over many layers): each "
+                    f"becomes a lax.cond and the paths double every time, past {max_paths}. "
+                    "Expected a few such branches per call. Fix: write the choice with "
+                    "torch.where (e.g. x = torch.where(keep, layer(x), x)), or raise "
+                    "max_branches."
+                ) from None
+            return jax.lax.cond(
+                b.pred, lambda: go((*decisions, True)), lambda: go((*decisions, False))
+            )
+
+    return go(())
+
+
+def encode(values: Sequence[int]) -> tuple[int, ...]:
+    """Ints as array dimensions (>= 0): 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
+    return tuple(2 * v if v >= 0 else -2 * v - 1 for v in values)
+
+
+def decode(dims: Sequence[int]) -> tuple[int, ...]:
+    """The inverse of :func:`encode`."""
+    return tuple(d // 2 if d % 2 == 0 else -(d + 1) // 2 for d in dims)
