@@ -198,6 +198,8 @@ def make_train_step(
     def _step(state: TrainState, batch: Batch, m: int) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.rng, state.step)
         if m == 1:
+            if stacked_micro:
+                batch = jax.tree.map(lambda v: v[0], batch)
             (loss_sum, (model_state, sums, count)), grads = value_and_grad(
                 state.params, state.model_state, batch, key
             )
@@ -281,7 +283,7 @@ def make_train_step(
         name="train_step",
         steps_per_call=k,
         cost_fn=flat_step,
-        cost_args=lambda st, b: (st, _drop_leading_axes(b, (k > 1) + stacked_micro)),
+        cost_args=lambda st, b: (st, _drop_leading_axes(b, int(k > 1))),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=(0,) if donate else (),

@@ -134,6 +134,9 @@ class JaxModule(L.LightningModule):
         self.stacked_sharding = jaxcore.batch_sharding(
             self.mesh, data_axis=data_axis, steps_per_call=steps_per_call
         )
+        self.window_sharding = jaxcore.batch_sharding(  # [m, B, ...] accumulation windows
+            self.mesh, data_axis=data_axis, steps_per_call=2
+        )
         self.state: TrainState | None = None
         self.torch_module: torch.nn.Module | None = None
         self.transfer_stats = bridge.new_stats()
@@ -311,7 +314,7 @@ class JaxModule(L.LightningModule):
         n = self._global_rows(batches[0])
         padded = [bridge.pad_batch(b, n) for b in batches]
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
-        return bridge.to_jax(stacked, self.stacked_sharding, stats=self.transfer_stats)
+        return bridge.to_jax(stacked, self.window_sharding, stats=self.transfer_stats)
 
     def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
         """``(jax batch, one step's torch batch, rows per step)`` for K steps per call."""

@@ -102,7 +102,7 @@ class LightningJaxModule(JaxModule):
         if self.tx is not None:
             return []
         if self._returned is None:
-            self._returned = self.port.module.configure_optimizers()
+            self._returned = self._user_configure_optimizers()
         optimizer, configs = parse_configure_optimizers(self._returned)
         self._configs = configs
         return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
@@ -115,9 +115,29 @@ class LightningJaxModule(JaxModule):
                 theirs.name,
             )
 
+    def _user_configure_optimizers(self) -> Any:
+        """The user's ``configure_optimizers()``, with the Trainer attached and its own flags.
+
+        Modules size schedules from ``self.trainer.estimated_stepping_batches``, which reads
+        ``accumulate_grad_batches``: the user's value is put back for the call.
+        """
+        user, trainer = self.port.module, self._trainer
+        if trainer is None:
+            return user.configure_optimizers()
+        neutral = {k: getattr(trainer, k) for k in self._flag_originals or {}}
+        for k, v in (self._flag_originals or {}).items():
+            setattr(trainer, k, v)
+        user.trainer = trainer
+        try:
+            return user.configure_optimizers()
+        finally:
+            user._trainer = None
+            for k, v in neutral.items():
+                setattr(trainer, k, v)
+
     def _map(self, *, provisional: bool) -> None:
         if self._returned is None:
-            self._returned = self.port.module.configure_optimizers()
+            self._returned = self._user_configure_optimizers()
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
@@ -191,7 +211,7 @@ class LightningJaxModule(JaxModule):
         ways = self.mesh.shape[self.data_axis]
         n = self._leading(tree, 1 if stacked else 0)
         if n and n % ways == 0:
-            sharding = self.stacked_sharding if stacked else self.batch_sharding
+            sharding = self.window_sharding if stacked else self.batch_sharding
         else:  # rows the data axis does not divide: the whole batch on every device
             sharding = NamedSharding(self.mesh, PartitionSpec())
         return bridge.to_jax(tree, sharding, stats=self.transfer_stats)
@@ -278,6 +298,17 @@ class LightningJaxModule(JaxModule):
             if name:
                 checkpoint["hparams_name"] = name
         user.on_save_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.port.module.on_load_checkpoint(checkpoint)
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        auto = loop.get("epoch_loop.automatic_optimization.optim_progress", {})
+        manual = loop.get("epoch_loop.manual_optimization.optim_step_progress")
+        steps = auto.get("optimizer", {}).get("step")
+        if steps and manual is not None and not manual["total"]["completed"]:
+            # a plain Lightning run counted its optimizer steps under automatic optimization
+            loop["epoch_loop.manual_optimization.optim_step_progress"] = steps
 
     # -- training metrics under the user's names ----------------------------------------------
     def _train_specs(self) -> dict[str, LogSpec]:

@@ -1,0 +1,324 @@
+"""JaxModule.from_lightning: a LightningModule written apart from the project, unchanged,
+against the same module in plain Lightning (real Trainer, real checkpoints)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import jaxcore
+from jaxcore.models.digits import MLP
+from torchshell import JaxModule
+from torchshell._errors import ConfigError
+
+
+class Recorder(Logger):
+    """A real Lightning logger that keeps every logged metric in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((int(step or 0), dict(metrics)))
+
+    def series(self, name: str) -> list[float]:
+        return [m[name] for _, m in self.rows if name in m]
+
+
+class Tagger(L.LightningModule):
+    """A small classifier as a team writes it: tuple batches, torch loss, self.log."""
+
+    def __init__(self, lr: float = 0.1, optim: str = "sgd", smoothing: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.smoothing)
+        self.log("train_loss", loss, prog_bar=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optim == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+        if self.hparams.optim == "plain_sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+        )
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=self.hparams.lr, total_steps=self.trainer.estimated_stepping_batches
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _data(n: int = 70, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return TensorDataset(x, y)
+
+
+def _trainer(tmp_path: Path, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=Recorder(),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+    )
+    return L.Trainer(**(options | kwargs))
+
+
+def _pair(tmp_path: Path, hparams: dict[str, Any], batch: int = 16, **trainer: Any) -> Any:
+    """The same module trained in plain Lightning and through from_lightning."""
+    train = DataLoader(_data(), batch_size=batch)
+    val = DataLoader(_data(30, seed=1), batch_size=batch)
+    torch.manual_seed(0)
+    plain = Tagger(**hparams)
+    ref = _trainer(tmp_path / "plain", **trainer)
+    ref.fit(plain, train, val)
+    torch.manual_seed(0)
+    jm = JaxModule.from_lightning(Tagger(**hparams), print_summary=False)
+    ours = _trainer(tmp_path / "jax", **trainer)
+    ours.fit(jm, train, val)
+    return plain, ref, jm, ours
+
+
+def _close_weights(plain: nn.Module, jm: JaxModule, rtol: float) -> None:
+    sd = jm.torch_state_dict()
+    for name, value in plain.state_dict().items():
+        np.testing.assert_allclose(sd[name].numpy(), value.numpy(), rtol=rtol, atol=rtol * 1e-2)
+
+
+def test_sgd_momentum_steplr_matches_plain_lightning(tmp_path: Path) -> None:
+    plain, ref, jm, ours = _pair(tmp_path, {"optim": "sgd"})
+    assert ours.global_step == ref.global_step == 10  # 5 batches (the last ragged) x 2 epochs
+    want, got = ref.logger.series("train_loss_step"), ours.logger.series("train_loss_step")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _close_weights(plain, jm, rtol=1e-5)
+    for name in ("val_loss", "val_acc", "train_loss_epoch", "train_loss"):
+        np.testing.assert_allclose(
+            float(ours.callback_metrics[name]), float(ref.callback_metrics[name]), rtol=1e-5
+        )
+    assert "val_loss" in ours.progress_bar_metrics and "train_loss" in ours.progress_bar_metrics
+
+
+def test_adamw_param_groups_onecycle_per_step(tmp_path: Path) -> None:
+    kwargs = {"callbacks": [LearningRateMonitor(logging_interval="step")]}
+    plain, ref, jm, ours = _pair(tmp_path, {"optim": "adamw", "lr": 0.01}, **kwargs)
+    np.testing.assert_allclose(
+        ours.logger.series("train_loss_step"), ref.logger.series("train_loss_step"), rtol=1e-3
+    )
+    _close_weights(plain, jm, rtol=1e-3)
+    for name in ("lr-AdamW/pg1", "lr-AdamW/pg2"):
+        np.testing.assert_allclose(ours.logger.series(name), ref.logger.series(name), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n_batches", [4, 5])
+def test_accumulate_grad_batches_and_clipping_match_plain_lightning(
+    tmp_path: Path, n_batches: int
+) -> None:
+    # 5 batches: the last window is one batch, stepped like Lightning (grads / 2)
+    rows = 16 * n_batches
+    train = DataLoader(_data(rows), batch_size=16)
+    runs = []
+    for port in (False, True):
+        torch.manual_seed(0)
+        module = Tagger(optim="sgd")
+        trainer = _trainer(tmp_path, accumulate_grad_batches=2, gradient_clip_val=0.05)
+        trainer.fit(
+            JaxModule.from_lightning(module, print_summary=False) if port else module, train
+        )
+        runs.append((trainer, module if not port else trainer.lightning_module))
+    (ref, plain), (ours, jm) = runs
+    assert ours.global_step == ref.global_step
+    assert ours.accumulate_grad_batches == 2  # the user's Trainer is given back unchanged
+    _close_weights(plain, jm, rtol=1e-5)
+
+
+def test_checkpoint_loads_in_plain_lightning_and_resumes_exactly(tmp_path: Path) -> None:
+    train = DataLoader(_data(), batch_size=16)
+    val = DataLoader(_data(30, seed=1), batch_size=16)
+
+    def run(epochs: int, ckpt_path: str | None = None, callbacks: Any = ()) -> Any:
+        torch.manual_seed(0)
+        jm = JaxModule.from_lightning(Tagger(lr=0.2), print_summary=False)
+        trainer = _trainer(
+            tmp_path,
+            max_epochs=epochs,
+            enable_checkpointing=bool(callbacks),
+            callbacks=list(callbacks),
+        )
+        trainer.fit(jm, train, val, ckpt_path=ckpt_path)
+        return jm, trainer
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_last=True)
+    stop = EarlyStopping(monitor="val_loss", patience=5)
+    jm, trainer = run(2, callbacks=[ckpt, stop])
+    assert ckpt.best_model_path and Path(ckpt.last_model_path).is_file()
+    assert float(ckpt.best_model_score) == pytest.approx(
+        float(trainer.callback_metrics["val_loss"]), rel=0.5
+    )
+    # the exit door: plain Lightning loads the user's class, hparams and trained weights
+    loaded = Tagger.load_from_checkpoint(ckpt.last_model_path)
+    assert loaded.hparams.lr == 0.2
+    for name, value in jm.torch_state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value)
+    # coreshell's exact resume from the same file: 2 + 1 epochs == 3 epochs straight
+    resumed, t_resumed = run(3, ckpt_path=ckpt.last_model_path)
+    straight, _ = run(3)
+    assert t_resumed.global_step == 15
+    for name, value in straight.torch_state_dict().items():
+        torch.testing.assert_close(resumed.torch_state_dict()[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_fit_from_a_plain_lightning_checkpoint_starts_from_its_weights(tmp_path: Path) -> None:
+    train = DataLoader(_data(64), batch_size=16)
+    torch.manual_seed(0)
+    plain = Tagger(optim="plain_sgd")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "plain", save_last=True)
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt]).fit(plain, train)
+    _trainer(tmp_path, max_epochs=2).fit(plain, train, ckpt_path=ckpt.last_model_path)
+    jm = JaxModule.from_lightning(Tagger(optim="plain_sgd"), print_summary=False)
+    ours = _trainer(tmp_path, max_epochs=2)
+    ours.fit(jm, train, ckpt_path=ckpt.last_model_path)
+    assert ours.global_step == 8
+    _close_weights(plain, jm, rtol=1e-5)  # plain SGD: no optimizer state to carry
+
+
+class Pairs(Dataset):
+    """Nested samples: a dict holding a namedtuple, as some datasets return them."""
+
+    Item = collections.namedtuple("Item", ["features", "label"])
+
+    def __init__(self) -> None:
+        self.data = _data(32)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        x, y = self.data[i]
+        return {"item": self.Item(x, y), "weight": torch.tensor(1.0)}
+
+
+class NestedTagger(Tagger):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        item = batch["item"]
+        assert type(item).__name__ == "Item"  # the structure the loader built
+        loss = (
+            F.cross_entropy(self(item.features), item.label, reduction="none") * batch["weight"]
+        ).mean()
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_nested_batches_reach_training_step_as_built(tmp_path: Path) -> None:
+    train = DataLoader(Pairs(), batch_size=8)
+    torch.manual_seed(0)
+    plain = NestedTagger(optim="plain_sgd")
+    ref = _trainer(tmp_path, max_epochs=1)
+    ref.fit(plain, train)
+    torch.manual_seed(0)
+    jm = JaxModule.from_lightning(NestedTagger(optim="plain_sgd"), print_summary=False)
+    ours = _trainer(tmp_path, max_epochs=1)
+    ours.fit(jm, train)
+    np.testing.assert_allclose(
+        ours.logger.series("train_loss"), ref.logger.series("train_loss"), rtol=1e-5
+    )
+
+
+def test_trainer_flags_are_honoured_or_refused(tmp_path: Path) -> None:
+    jm = JaxModule.from_lightning(Tagger(), print_summary=False)
+    with pytest.raises(ConfigError, match=r"devices=2.*coreshell launch"):
+        jm.trainer = L.Trainer(accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(ConfigError, match=r"precision='16-true'.*bf16-mixed"):
+        _trainer(tmp_path, precision="16-true").fit(jm, DataLoader(_data(), batch_size=16))
+    train = DataLoader(_data(64), batch_size=16)
+    fp32, bf16 = [], []
+    for precision, out in (("32-true", fp32), ("bf16-mixed", bf16)):
+        torch.manual_seed(0)
+        module = JaxModule.from_lightning(Tagger(optim="plain_sgd"), print_summary=False)
+        trainer = _trainer(tmp_path, max_epochs=1, precision=precision)
+        trainer.fit(module, train)
+        out += trainer.logger.series("train_loss_step")
+        assert module.flags.compute_dtype == (None if precision == "32-true" else "bfloat16")
+    np.testing.assert_allclose(bf16, fp32, rtol=5e-2)
+    assert bf16 != fp32  # the step really computed in bfloat16
+
+
+def test_unmappable_optimizers_are_refused_before_training(tmp_path: Path) -> None:
+    class Lbfgs(Tagger):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters())
+
+    jm = JaxModule.from_lightning(Lbfgs(), print_summary=False)
+    with pytest.raises(ConfigError, match=r"LBFGS.*optimizer="):
+        _trainer(tmp_path).fit(jm, DataLoader(_data(), batch_size=16))
+
+
+def test_plain_jaxmodule_takes_tensordataset_tuples(tmp_path: Path) -> None:
+    x, y = _data(64).tensors
+    module = JaxModule(
+        MLP(features=(16,), num_classes=3),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        print_summary=False,
+    )
+    trainer = _trainer(tmp_path, max_epochs=1)
+    loader = DataLoader(TensorDataset(x, y.int()), batch_size=16)
+    trainer.fit(module, loader, loader)
+    assert trainer.global_step == 4 and "val/accuracy" in trainer.callback_metrics
+    three = DataLoader(TensorDataset(x, y.int(), y.int()), batch_size=16)
+    with pytest.raises(jaxcore.BatchError, match=r"batch_keys names only 2"):
+        _trainer(tmp_path, max_epochs=1).fit(
+            JaxModule(
+                MLP(features=(4,)),
+                jaxcore.softmax_cross_entropy,
+                jaxcore.make_optimizer(),
+                print_summary=False,
+            ),
+            three,
+        )
