@@ -174,7 +174,7 @@ def map_configure_optimizers(
     groups = []
     for index, (group, record) in enumerate(zip(optimizer.param_groups, records, strict=True)):
         names = tuple(name_of[id(p)] for p in group["params"] if id(p) in name_of)
-        groups.append(_group_spec(optimizer, index, names, record, keys))
+        groups.append(_group_spec(optimizer, index, names, record, keys, _cycled(configs)))
     lr_names, lr_group = _lr_names(optimizer, configs)
     _, opt_copy, sched_copies = run_schedule(optimizer, configs, total_steps=0, **stepping)
     source = Source(
@@ -203,6 +203,7 @@ def _group_spec(
     names: tuple[str, ...],
     record: Mapping[str, list[Any]],
     keys: frozenset[str],
+    cycled: frozenset[str],
 ) -> rules.GroupSpec:
     cls = type(optimizer).__name__
     const: dict[str, Any] = {}
@@ -218,7 +219,7 @@ def _group_spec(
         if key in _HARMLESS:
             continue
         first = values[0]
-        if all(v == first for v in values):
+        if key not in cycled and all(v == first for v in values):
             const[key] = bool(first) if key in _FLAGS else float(first)
         elif key in _FLAGS:
             raise ConfigError(f"{cls} param group {index}: a scheduler changes the flag {key}")
@@ -230,6 +231,21 @@ def _group_spec(
     if cls == "AdamW":
         const["decoupled_weight_decay"] = True
     return rules.GroupSpec(names, const, tables)
+
+
+def _cycled(configs: list[LRSchedulerConfig]) -> frozenset[str]:
+    """Hyperparameters a scheduler may move, tabulated even when they look constant.
+
+    The optimizer state's structure (a momentum buffer or not) must not depend on how many
+    steps were tabulated: a cycling scheduler's momentum is a table from the start.
+    """
+    pending = [c.scheduler for c in configs]
+    while pending:
+        sched = pending.pop()
+        if getattr(sched, "cycle_momentum", False):
+            return frozenset({"lr", "momentum", "beta1"})
+        pending.extend(getattr(sched, "_schedulers", ()))
+    return frozenset({"lr"}) if configs else frozenset()
 
 
 def _lr_names(
