@@ -119,6 +119,17 @@ def map_configure_optimizers(
 ) -> MappedOptimizer:
     """Map what ``configure_optimizers()`` returned onto optax, with torch's update math.
 
+    Mapped: ``SGD``, ``Adam`` (also ``decoupled_weight_decay=True``), ``AdamW``, ``RMSprop``,
+    ``Adagrad``, exactly by class, each param group with its own hyperparameters; any
+    ``torch.optim.lr_scheduler.LRScheduler`` except ``ReduceLROnPlateau``, stepped on a private
+    copy as Lightning's loop steps it (``interval``, ``frequency``, several schedulers in
+    order). Every hyperparameter a scheduler moves becomes a per-step table: ``lr``, and the
+    ``momentum`` / ``betas[0]`` that ``OneCycleLR`` and ``CyclicLR`` cycle.
+
+    Not seen here: a user override of ``LightningModule.lr_scheduler_step`` (the caller must
+    refuse it), and torch skipping parameters whose ``.grad`` is ``None`` (JAX gives them zero
+    gradients, so momentum, Adam moments and decoupled decay still move them).
+
     Args:
         returned: the value of ``lit_module.configure_optimizers()``, any form Lightning takes.
         named_params: trainable parameters by state_dict name (the keys of the JAX params).
