@@ -4,6 +4,7 @@ against the same module in plain Lightning (real Trainer, real checkpoints)."""
 from __future__ import annotations
 
 import collections
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -322,3 +323,101 @@ def test_plain_jaxmodule_takes_tensordataset_tuples(tmp_path: Path) -> None:
             ),
             three,
         )
+
+
+class TransformerTagger(L.LightningModule):
+    """A token tagger as a team writes it: padding mask, label smoothing, tuple batches."""
+
+    def __init__(self, optim: str = "sgd", vocab: int = 20, tags: int = 5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, 16, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(16, tags)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens), src_key_padding_mask=tokens == 0))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        tokens, tags = batch
+        logits = self(tokens)
+        tags = tags.masked_fill(tokens == 0, -100)
+        return F.cross_entropy(logits.flatten(0, 1), tags.flatten(), label_smoothing=0.1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optim == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.01}, {"params": rest}], lr=3e-3
+        )
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=20)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _tokens(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 20, (n, 12), generator=g)
+    lengths = torch.randint(4, 13, (n,), generator=g)
+    tokens[torch.arange(12)[None, :] >= lengths[:, None]] = 0  # padded tails
+    return TensorDataset(tokens, tokens % 5)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_transformer_tagger_with_padding_mask_matches_plain_lightning(
+    tmp_path: Path, optim: str
+) -> None:
+    train = DataLoader(_tokens(48, 0), batch_size=8)
+    val = DataLoader(_tokens(16, 1), batch_size=8)
+    torch.manual_seed(0)
+    plain = TransformerTagger(optim)
+    ref = _trainer(tmp_path / "plain", max_steps=12)
+    ref.fit(plain, train, val)
+    torch.manual_seed(0)
+    jm = JaxModule.from_lightning(TransformerTagger(optim), print_summary=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    ours = _trainer(tmp_path / "jax", max_steps=12, enable_checkpointing=True, callbacks=[ckpt])
+    ours.fit(jm, train, val)
+    rtol = 1e-4 if optim == "sgd" else 2e-3
+    np.testing.assert_allclose(
+        ours.logger.series("train_loss"), ref.logger.series("train_loss"), rtol=rtol
+    )
+    np.testing.assert_allclose(  # eval mode: torch's nested-tensor fast path in plain Lightning
+        float(ours.callback_metrics["val_loss"]), float(ref.callback_metrics["val_loss"]), rtol=rtol
+    )
+    loaded = TransformerTagger.load_from_checkpoint(ckpt.last_model_path)
+    for name, value in jm.torch_state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value)
+
+
+def test_no_torch_optimizer_warnings_from_lightning(tmp_path: Path) -> None:
+    train = DataLoader(_data(64), batch_size=16)
+    modules = [
+        JaxModule.from_lightning(Tagger(), print_summary=False),
+        JaxModule(
+            MLP(features=(8,), num_classes=3),
+            jaxcore.softmax_cross_entropy,
+            jaxcore.make_optimizer(),
+            print_summary=False,
+        ),
+    ]
+    for i, module in enumerate(modules):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / f"ckpt{i}", every_n_train_steps=2)
+        trainer = _trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, train)
+        messages = [str(w.message) for w in caught]
+        noise = ("configure_optimizers", "manual optimization")
+        assert not [m for m in messages if any(n in m for n in noise)], messages
