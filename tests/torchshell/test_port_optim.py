@@ -598,3 +598,39 @@ def test_step_frequency_with_accumulation_matches_lightning() -> None:
     ours = [float(mapped.lrs(t)["lr-SGD"]) for t in range(6)]
     np.testing.assert_allclose(ours, recorder.lrs, rtol=1e-6)
     assert recorder.lrs == pytest.approx([0.1, 0.05, 0.025, 0.025, 0.0125, 0.00625])
+
+
+def test_two_schedulers_on_one_optimizer() -> None:
+    """A per-step warmup and a per-epoch decay, chained as Lightning steps them (steps first)."""
+    model = H.net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    warmup = S.LinearLR(opt, start_factor=0.25, total_iters=4)
+    decay = S.StepLR(opt, step_size=1, gamma=0.5)
+    returned = (
+        [opt],
+        [
+            {"scheduler": warmup, "interval": "step"},
+            {"scheduler": decay, "interval": "epoch"},
+        ],
+    )
+    params0 = H.to_jax(dict(model.named_parameters()))
+    mapped = map_configure_optimizers(
+        returned, dict(model.named_parameters()), steps_per_epoch=3, total_steps=H.N_STEPS
+    )
+    assert mapped.lr_names == ("lr-SGD", "lr-SGD-1")  # LearningRateMonitor's names
+    assert mapped.description == "SGD + LinearLR per step + StepLR per epoch"
+    used: list[float] = []
+
+    def step(t: int) -> None:
+        H.lightning_stepper([warmup])(t)
+        H.lightning_stepper([decay], interval="epoch")(t)
+
+    def record(t: int) -> None:
+        step(t)
+        used.append(opt.param_groups[0]["lr"])
+
+    first = opt.param_groups[0]["lr"]
+    grads, torch_params = H.torch_run(model, opt, record, H.batches())
+    ours = [float(mapped.lrs(t)["lr-SGD-1"]) for t in range(H.N_STEPS)]
+    np.testing.assert_allclose(ours, [first, *used[:-1]], rtol=1e-6)
+    assert H.max_rel_err(torch_params, H.jax_replay(mapped.tx, params0, grads)) < 1e-5
