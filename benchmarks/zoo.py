@@ -14,34 +14,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TOL = 1e-4
 BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 
 
 def run_entry(entry, rounds: int) -> dict:
-    from tests.zoo.harness import sgd_parity
+    from tests.zoo.harness import classify
     from tests.zoo.models import build
-    from torchshell._errors import TorchModelError
 
     net, batches = build(entry)
-    t0 = time.perf_counter()
-    try:
-        p = sgd_parity(net, batches, entry.inputs, entry.kind, entry.pick, rounds=rounds,
-                       **entry.kwargs)
-    except TorchModelError as err:
-        return {"result": "TorchModelError", "reason": str(err).split(". Fix")[0],
-                "seconds": time.perf_counter() - t0}
-    ok = p.max_rel <= TOL
-    return {"result": "parity" if ok else "mismatch", "max_rel": p.max_rel,
-            "jax_ms": p.jax_ms, "torch_ms": p.torch_ms, "seconds": time.perf_counter() - t0,
-            "reason": "" if ok else f"max rel diff {p.max_rel:.2e} > {TOL}"}
+    return classify(net, batches, entry, rounds)
 
 
 def table(rows: list[tuple]) -> str:
@@ -60,8 +47,10 @@ def table(rows: list[tuple]) -> str:
         speed = f"{tm / jm:.2f}" if jm and tm and jm == jm else "-"
         fmt = lambda v: f"{v:.2f}" if v is not None and v == v else "-"  # noqa: E731
         reason = r.get("reason", "").replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {name} | {source} | {r['result']} | {rel} | {fmt(jm)} | {fmt(tm)} "
-                     f"| {speed} | {reason} |")
+        lines.append(
+            f"| {name} | {source} | {r['result']} | {rel} | {fmt(jm)} | {fmt(tm)} "
+            f"| {speed} | {reason} |"
+        )
     lines.append(END)
     return "\n".join(lines)
 
@@ -82,8 +71,11 @@ def main() -> None:
         if args.only and args.only not in entry.name:
             continue
         r = run_entry(entry, args.rounds)
-        print(f"{entry.name:60s} {r['result']:15s} {r.get('max_rel', '-')!s:24s} "
-              f"{r['seconds']:.1f}s {r.get('reason', '')[:150]}", flush=True)
+        print(
+            f"{entry.name:60s} {r['result']:15s} {r.get('max_rel', '-')!s:24s} "
+            f"{r['seconds']:.1f}s {r.get('reason', '')[:150]}",
+            flush=True,
+        )
         rows.append((entry.name, entry.source, r))
     text = table(rows)
     if args.write:

@@ -304,6 +304,8 @@ class TorchTracer:
         values = self.discover(fn, args, train)
         kinds = self.reads.kinds[train]
         host = {n: values[n] for n, k in enumerate(kinds) if k == patterns.HOST}
+        if not host:
+            return {}
         self.reads.consumed = set()
         with self.static_values(host):
             self._abstract(fn, args, train, concrete=False)

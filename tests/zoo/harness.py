@@ -27,6 +27,7 @@ import jaxcore
 from torchshell.torch_model import params_to_state_dict, specialise_batch, torch_model_fns
 
 Pick = Callable[[Any], Any]
+TOL = 1e-4  # max relative parameter difference after the steps, fp32
 
 
 @dataclass
@@ -163,3 +164,37 @@ def trainer_check(
     trainer.fit(module, loader, loader)
     assert trainer.global_step == 1
     assert np.isfinite(float(jnp.asarray(jax.tree.leaves(module.state.params)[0]).sum()))
+
+
+def classify(net: torch.nn.Module, batches: Sequence[dict], entry: Any, rounds: int = 0) -> dict:
+    """The zoo row of one entry: ``parity``, ``mismatch`` or ``TorchModelError`` (+ reason)."""
+    from torchshell._errors import TorchModelError
+
+    t0 = time.perf_counter()
+    try:
+        p = sgd_parity(
+            net,
+            batches,
+            entry.inputs,
+            entry.kind,
+            entry.pick,
+            lr=entry.lr,
+            rounds=rounds,
+            **entry.kwargs,
+        )
+    except TorchModelError as err:
+        return {
+            "result": "TorchModelError",
+            "reason": str(err).split(" Fix:")[0],
+            "seconds": time.perf_counter() - t0,
+        }
+    losses = np.allclose(p.jax_losses, p.torch_losses, rtol=TOL, atol=1e-6)
+    ok = p.max_rel <= TOL and losses
+    return {
+        "result": "parity" if ok else "mismatch",
+        "max_rel": p.max_rel,
+        "jax_ms": p.jax_ms,
+        "torch_ms": p.torch_ms,
+        "seconds": time.perf_counter() - t0,
+        "reason": "" if ok else f"max rel diff {p.max_rel:.2e} (tol {TOL}), losses match: {losses}",
+    }
