@@ -215,18 +215,31 @@ def test_checkpoint_loads_in_plain_lightning_and_resumes_exactly(tmp_path: Path)
         torch.testing.assert_close(resumed.torch_state_dict()[name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_fit_from_a_plain_lightning_checkpoint_starts_from_its_weights(tmp_path: Path) -> None:
+def test_checkpoints_cross_between_plain_lightning_and_coreshell(tmp_path: Path) -> None:
+    """Either side resumes the other's checkpoint: weights, SGD momentum, StepLR position."""
     train = DataLoader(_data(64), batch_size=16)
-    torch.manual_seed(0)
-    plain = Tagger(optim="plain_sgd")
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "plain", save_last=True)
-    _trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt]).fit(plain, train)
-    _trainer(tmp_path, max_epochs=2).fit(plain, train, ckpt_path=ckpt.last_model_path)
-    jm = JaxModule.from_lightning(Tagger(optim="plain_sgd"), print_summary=False)
-    ours = _trainer(tmp_path, max_epochs=2)
-    ours.fit(jm, train, ckpt_path=ckpt.last_model_path)
+
+    def fit(port: bool, epochs: int, ckpt_path: str | None = None, save: str = "") -> Any:
+        torch.manual_seed(0)
+        module = Tagger(optim="sgd")
+        model = JaxModule.from_lightning(module, print_summary=False) if port else module
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / save, save_last=True)] if save else []
+        trainer = _trainer(
+            tmp_path, max_epochs=epochs, enable_checkpointing=bool(save), callbacks=callbacks
+        )
+        trainer.fit(model, train, ckpt_path=ckpt_path)
+        weights = model.torch_state_dict() if port else module.state_dict()
+        return trainer, weights, str(tmp_path / save / "last.ckpt")
+
+    _, straight, _ = fit(False, 2)
+    _, _, plain_ckpt = fit(False, 1, save="plain")
+    ours, way_in, _ = fit(True, 2, ckpt_path=plain_ckpt)
     assert ours.global_step == 8
-    _close_weights(plain, jm, rtol=1e-5)  # plain SGD: no optimizer state to carry
+    _, _, our_ckpt = fit(True, 1, save="ours")
+    _, way_out, _ = fit(False, 2, ckpt_path=our_ckpt)
+    for name, value in straight.items():
+        torch.testing.assert_close(way_in[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(way_out[name], value, rtol=1e-5, atol=1e-6)
 
 
 class Pairs(Dataset):
@@ -421,3 +434,12 @@ def test_no_torch_optimizer_warnings_from_lightning(tmp_path: Path) -> None:
         messages = [str(w.message) for w in caught]
         noise = ("configure_optimizers", "manual optimization")
         assert not [m for m in messages if any(n in m for n in noise)], messages
+
+
+def test_a_module_with_torch_optimizer_hooks_is_refused() -> None:
+    class Hooked(Tagger):
+        def on_after_backward(self) -> None:
+            pass
+
+    with pytest.raises(ConfigError, match=r"on_after_backward.*Fix"):
+        JaxModule.from_lightning(Hooked())

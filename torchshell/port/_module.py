@@ -18,6 +18,7 @@ What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -32,15 +33,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from jaxcore.precision import cast_floating, resolve_dtype
+from torchshell import _state_io
 from torchshell._errors import ConfigError
 from torchshell.module import JaxModule
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
+from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
 from torchshell.port._trace import LightningPort, LogSpec
 
 __all__ = ["LightningJaxModule"]
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+# Hooks that run torch code on gradients or around the torch optimizer: the JAX step has no
+# place to run them, so a module that overrides one is refused rather than half-trained.
+_OPTIMIZER_HOOKS = (
+    "backward",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "lr_scheduler_step",
+)
 
 
 @jax.jit
@@ -75,13 +89,24 @@ class LightningJaxModule(JaxModule):
         **kwargs: Any,
     ) -> None:
         port = LightningPort(module)
+        custom = [hook for hook in _OPTIMIZER_HOOKS if port.overrides(hook)]
+        if custom:
+            raise ConfigError(
+                f"{type(module).__name__} overrides {custom}: torch code around the backward "
+                "pass or the optimizer step, which the compiled JAX step does not run. Fix: "
+                "remove the override (gradient clipping: Trainer(gradient_clip_val=...)), or "
+                "pass optimizer= an optax transform that does the same."
+            )
         super().__init__(port.model_fns(), port.loss_fn, optimizer, **kwargs)
         object.__setattr__(self, "port", port)  # the user's module is not a submodule
         object.__setattr__(self, "torch_module", module)
         self.mapped: MappedOptimizer | None = None
-        self._returned: Any = None
+        self._returned: Any = None  # configure_optimizers(): Lightning holds (and restores) it
+        self._pristine: Any = None  # a copy as first returned: the schedule is mapped from it
         self._epoch: dict[str, Any] | None = None
         self._restore_weights: Mapping[str, torch.Tensor] | None = None
+        self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
+        self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
         for hook in _EVAL_HOOKS:  # Lightning skips a loop whose hook is not overridden
             if not port.overrides(hook):
@@ -101,8 +126,7 @@ class LightningJaxModule(JaxModule):
         """
         if self.tx is not None:
             return []
-        if self._returned is None:
-            self._returned = self._user_configure_optimizers()
+        self._configured()
         optimizer, configs = parse_configure_optimizers(self._returned)
         self._configs = configs
         return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
@@ -114,6 +138,18 @@ class LightningJaxModule(JaxModule):
                 theirs.frequency,
                 theirs.name,
             )
+
+    def _configured(self) -> None:
+        """Calls the user's ``configure_optimizers`` once, keeping a pristine copy.
+
+        Lightning loads a checkpoint's optimizer and scheduler state into the returned
+        objects; the JAX schedule is indexed by the restored step count, so it is mapped
+        from the objects as they were before (the copy shares the module's parameters).
+        """
+        if self._returned is None:
+            self._returned = self._user_configure_optimizers()
+            shared = {id(p): p for p in self.port.module.parameters()}
+            self._pristine = copy.deepcopy(self._returned, shared)
 
     def _user_configure_optimizers(self) -> Any:
         """The user's ``configure_optimizers()``, with the Trainer attached and its own flags.
@@ -136,8 +172,7 @@ class LightningJaxModule(JaxModule):
                 setattr(trainer, k, v)
 
     def _map(self, *, provisional: bool) -> None:
-        if self._returned is None:
-            self._returned = self._user_configure_optimizers()
+        self._configured()
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
@@ -152,7 +187,7 @@ class LightningJaxModule(JaxModule):
             epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
             total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
         self.mapped = map_configure_optimizers(
-            self._returned,
+            self._pristine,
             named,
             steps_per_epoch=per_epoch,
             total_steps=max(int(total), 1),
@@ -258,17 +293,34 @@ class LightningJaxModule(JaxModule):
         return self.state
 
     def _with_weights(self, state: Any, sd: Mapping[str, torch.Tensor]) -> Any:
+        """The state with a plain Lightning checkpoint's weights (and optimizer state)."""
+
         def put(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
             return {
                 k: jax.device_put(bridge.as_jax(sd[k], name=k).astype(v.dtype), v.sharding)
                 for k, v in tree.items()
             }
 
-        print(
-            "coreshell: starting from the checkpoint's weights; its torch optimizer state is "
-            "not mapped onto the JAX optimizer, which starts fresh."
+        state = state.replace(params=put(state.params), model_state=put(state.model_state))
+        torch_opt, self._restore_optim = self._restore_optim, None
+        if torch_opt is None or self.mapped is None or self.tx is not None:
+            print(
+                "coreshell: starting from the checkpoint's weights; it holds no optimizer state "
+                "this run can map, so the JAX optimizer starts fresh."
+            )
+            return state
+        step = int(self._restore_step)
+        mapped_state = state_from_torch(self.mapped, torch_opt, state.params, step=step)
+        opt_state = state.opt_state
+        if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):  # (clip, tx)
+            opt_state = (opt_state[0], mapped_state)
+        else:
+            opt_state = mapped_state
+        shardings = jax.tree.map(lambda x: x.sharding, state.opt_state)
+        return state.replace(
+            opt_state=jax.device_put(opt_state, shardings),
+            step=jax.device_put(jnp.asarray(step, state.step.dtype), state.step.sharding),
         )
-        return state.replace(params=put(state.params), model_state=put(state.model_state))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, **_: Any) -> Any:
         """Takes the user's ``state_dict`` (a plain Lightning checkpoint of the same module)."""
@@ -292,6 +344,13 @@ class LightningJaxModule(JaxModule):
         user = self.port.module
         if self.state is not None:
             checkpoint["state_dict"] = self.torch_state_dict()
+            if self.mapped is not None and self.tx is None:  # plain Lightning resumes from it
+                opt_state = self.state.opt_state
+                if self.flags.clip_val is not None:
+                    opt_state = opt_state[1]
+                optimizer, schedulers = state_to_torch(self.mapped, opt_state)
+                checkpoint["optimizer_states"] = [optimizer]
+                checkpoint["lr_schedulers"] = schedulers
         if user.hparams:
             checkpoint["hyper_parameters"] = dict(user.hparams)
             name = getattr(user, "_hparams_name", None)
@@ -309,6 +368,9 @@ class LightningJaxModule(JaxModule):
         if steps and manual is not None and not manual["total"]["completed"]:
             # a plain Lightning run counted its optimizer steps under automatic optimization
             loop["epoch_loop.manual_optimization.optim_step_progress"] = steps
+        if _state_io.STATE_KEY not in checkpoint and checkpoint.get("optimizer_states"):
+            self._restore_optim = checkpoint["optimizer_states"][0]
+            self._restore_step = int(checkpoint.get("global_step", 0))
 
     # -- training metrics under the user's names ----------------------------------------------
     def _train_specs(self) -> dict[str, LogSpec]:
