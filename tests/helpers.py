@@ -2,6 +2,8 @@
 
 import os
 import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,48 @@ def run_ok(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.Complete
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+CLI = [sys.executable, "-m", "torchshell.app.cli"]
+
+
+def user_env() -> dict[str, str]:
+    """The environment a user's shell gives ``coreshell``: no test-only device count (the
+    CLI splits the CPU itself), Python's default warnings; the compile cache stays in the
+    tests' temporary directory (conftest.py)."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONWARNINGS")}
+
+
+def run_all(
+    cmds: Sequence[Sequence[str]],
+    cwd: Path,
+    *,
+    env: dict[str, str] | None = None,
+    parallel: int = 4,
+    timeout: int = 600,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs the commands, ``parallel`` at a time (most of each is Python's imports), in order."""
+    env = user_env() if env is None else env
+    done: list[subprocess.CompletedProcess[str]] = []
+    for start in range(0, len(cmds), parallel):
+        batch = [
+            (
+                list(cmd),
+                subprocess.Popen(
+                    list(cmd),
+                    cwd=cwd,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+            for cmd in cmds[start : start + parallel]
+        ]
+        for cmd, proc in batch:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return done
 
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
