@@ -1,0 +1,115 @@
+"""Running the real ``coreshell train`` in a child process: the command, a run that is
+watched and killed, its MLflow loss history, its exported weights.
+
+Shared by ``kill_campaign.py``, ``checkpoint_cost.py`` and ``tests/torchshell/test_resume.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def cli_module() -> str:
+    """The module ``coreshell`` runs: the installed console script's, else the app's."""
+    names = []
+    for ep in importlib.metadata.entry_points(group="console_scripts", name="coreshell"):
+        names.append(ep.value.partition(":")[0])
+    names += ["torchshell.app.cli", "torchshell.cli"]
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ModuleNotFoundError:
+            continue
+    raise RuntimeError(f"no coreshell CLI module found among {names}")
+
+
+def quiet_env() -> dict[str, str]:
+    """This process's environment with Python warnings off, for a child."""
+    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def train_cmd(tmp: Path, name: str, *overrides: str, prefix: list[str] | None = None) -> list[str]:
+    """``coreshell train`` with its MLflow store and run directory under ``tmp``.
+
+    ``prefix`` replaces ``[python, -m, cli]`` (e.g. ``[python, -c, code]`` for a probe).
+    """
+    head = prefix if prefix is not None else [sys.executable, "-m", cli_module()]
+    return [
+        *head,
+        "train",
+        *overrides,
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+        f"tracking.experiment={name}",
+        f"hydra.run.dir={tmp}/{name}",
+    ]
+
+
+def run_ok(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """Runs ``cmd`` and raises with its stderr's tail unless it exits 0."""
+    proc = subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=quiet_env()
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd[:4])} ... exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def losses(tmp: Path, experiment: str, metric: str = "train/loss") -> dict[int, float]:
+    """``{step: value}`` of ``metric`` over every run of ``experiment`` in ``tmp``'s store."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    history: dict[int, float] = {}
+    if exp is None:
+        return history
+    for run in client.search_runs([exp.experiment_id]):
+        for m in client.get_metric_history(run.info.run_id, metric):
+            history[m.step] = m.value
+    return history
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an exported ``model.safetensors``."""
+    return load_file(path)
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """Whether two exported ``model.safetensors`` hold bit-identical tensors."""
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def start_and_wait_for_checkpoint(
+    cmd: list[str], cwd: Path, ckpt_dir: Path, extra_wait: float, timeout: float = 300
+) -> subprocess.Popen[str]:
+    """Starts ``cmd``; returns once an intact checkpoint exists in ``ckpt_dir`` (+ a wait)."""
+    from torchshell.checkpoint import latest_checkpoint
+
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=quiet_env()
+    )
+    deadline = time.monotonic() + timeout
+    while latest_checkpoint(ckpt_dir, log=lambda _: None) is None:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the run ended before a checkpoint: {proc.communicate()[1][-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("no checkpoint appeared")
+        time.sleep(0.05)
+    time.sleep(extra_wait)
+    return proc
