@@ -443,3 +443,16 @@ def test_a_module_with_torch_optimizer_hooks_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"on_after_backward.*Fix"):
         JaxModule.from_lightning(Hooked())
+
+
+def test_one_line_port_example_runs(tmp_path: Path) -> None:
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "port_one_line.py"
+    spec = importlib.util.spec_from_file_location("port_one_line", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["port_one_line"] = module  # load_from_checkpoint finds the class by module
+    spec.loader.exec_module(module)
+    assert module.main(epochs=2, ckpt_dir=str(tmp_path)) > 0.6
