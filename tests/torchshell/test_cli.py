@@ -6,12 +6,16 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run_ok
+from tests.helpers import CLI, run_ok
+from torchshell._errors import ConfigError
 from torchshell.app.export_cli import export_command
 from torchshell.twins.digits import MLP as TwinMLP
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -91,3 +95,50 @@ def test_train_a_torch_module_from_the_config(tmp_path: Path):
     net = TwinMLP()
     net.load_state_dict(load_file(tmp_path / "run" / "export" / "model.safetensors"), strict=True)
     assert "parity max abs diff" in proc.stdout
+
+
+def test_recipes_compose():
+    """recipe=NAME picks data and model; data=NAME alone brings its model; a pair of two
+    recipes is refused naming both and the fix."""
+    from torchshell.app.config import compose_config, typed
+
+    for choice, data, model in [
+        (["recipe=digits"], "DigitsDataModule", "digits.MLP"),
+        (["recipe=spoken_digits"], "SpokenDigitsDataModule", "SpokenDigitsEncoder"),
+        (["data=digits"], "DigitsDataModule", "digits.MLP"),
+        ([], "SpokenDigitsDataModule", "SpokenDigitsEncoder"),
+    ]:
+        cfg = typed(compose_config(choice))
+        assert cfg.data["_target_"].endswith(data) and cfg.model.flax["_target_"].endswith(model)
+    with pytest.raises(ConfigError, match=r"data=digits and model=spoken_digits .* recipe=digits"):
+        typed(compose_config(["data=digits", "model=spoken_digits"]))
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Use it", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_every_readme_train_command_composes_and_passes_the_checks(tmp_path: Path):
+    """Each `coreshell train` line of the README gives a config train accepts (the checks
+    of prepare_run); `--cfg job` runs for real. Training itself: the tests above."""
+    from torchshell.app.config import compose_config, typed
+    from torchshell.app.launch import child_commands
+
+    commands = _readme_commands()
+    trains = [c.split()[2:] for c in commands if c.startswith(".venv/bin/coreshell train")]
+    assert len(trains) >= 8
+    for args in trains:
+        overrides = [a for a in args if a not in ("--cfg", "job", "-m")]
+        sweeps = [o for o in overrides if "," in o] if "-m" in args else []
+        for value in sweeps[0].split("=", 1)[1].split(",") if sweeps else [None]:
+            job = [o for o in overrides if o not in sweeps]
+            job += [f"{sweeps[0].split('=')[0]}={value}"] if value else []
+            typed(compose_config(job)).check()
+    launch = next(c for c in commands if " launch " in c).split("-- ", 1)[1].split()
+    assert "dist.process_id=1" in child_commands(launch, 2, 1234)[1]
+    make = next(c for c in commands if c.startswith("make run"))
+    typed(compose_config(make.split('"')[1].split())).check()
+    proc = run_ok([*CLI, "train", "--cfg", "job"], tmp_path)
+    assert "_target_: torchshell.data.spoken_digits.SpokenDigitsDataModule" in proc.stdout
