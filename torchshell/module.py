@@ -12,6 +12,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import lightning as L
+import numpy as np
 import optax
 import torch
 from jax.sharding import Mesh
@@ -154,6 +155,7 @@ class JaxModule(L.LightningModule):
         self._window: list[Any] = []  # batches of the current accumulation window
         self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._quiet: contextlib.ExitStack | None = None
+        self._masks: dict[int, jax.Array] = {}
         self.train_log = TrainLog(self._emit)
 
     def _input_name(self, key: str | int) -> str:
@@ -239,6 +241,19 @@ class JaxModule(L.LightningModule):
         if trainer is not None and self._flag_originals is None:
             flags, self._flag_originals = adopt_flags(trainer)
             self._adopt(flags)
+            self._match_val_loader(trainer)
+
+    def _match_val_loader(self, trainer: L.Trainer) -> None:
+        """Validation runs when the run has a val loader (no Lightning warning otherwise).
+
+        Lightning warns about a ``validation_step`` without a ``val_dataloader``; this one is
+        ours, not the user's, so without a loader it is hidden (Lightning's own check).
+        """
+        has_loader = trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
+        if has_loader:
+            self.__dict__.pop("validation_step", None)
+        else:
+            self.validation_step = L.LightningModule.validation_step.__get__(self)  # type: ignore[method-assign]
 
     def _adopt(self, flags: TrainerFlags) -> None:
         if flags.compute_dtype is not None and self.compute_dtype not in (
@@ -307,7 +322,20 @@ class JaxModule(L.LightningModule):
 
     def _to_jax(self, batch: Batch, rows_: int | None = None) -> Any:
         rows_ = self._global_rows(batch) if rows_ is None else rows_
-        return bridge.to_jax(batch, self.batch_sharding, pad_to=rows_, stats=self.transfer_stats)
+        if "mask" in batch or rows(batch) != rows_:  # ragged: padded, with a mask of real rows
+            return bridge.to_jax(
+                batch, self.batch_sharding, pad_to=rows_, stats=self.transfer_stats
+            )
+        # a full batch: its all-true mask is made on device once, not handed over each step
+        out = bridge.to_jax(batch, self.batch_sharding, stats=self.transfer_stats)
+        out["mask"] = self._full_mask(rows_ * jax.process_count())
+        return out
+
+    def _full_mask(self, n: int) -> jax.Array:
+        mask = self._masks.get(n)
+        if mask is None:
+            mask = self._masks[n] = jax.device_put(np.ones(n, bool), self.batch_sharding)
+        return mask
 
     def _stack(self, batches: list[Any]) -> Any:
         """m batches of one window as ``[m, B, ...]`` (padded to the first one's rows)."""

@@ -115,6 +115,9 @@ class LightningJaxModule(JaxModule):
         if module.hparams:  # the run's params in the loggers (MLflow) are the user's
             self.save_hyperparameters(dict(module.hparams))
 
+    def _match_val_loader(self, trainer: L.Trainer) -> None:
+        """The user's own hooks decide, as in plain Lightning."""
+
     # -- optimizer ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         """The user's own optimizer and schedulers, handed to Lightning as plain objects.
