@@ -10,7 +10,9 @@ count and the compile cache of one never touch another), in this order:
 - ``compile_cache.py``: cold vs warm start with the persistent compilation cache;
 - ``torch_model.py``: a torch ``nn.Module`` through torchax vs Flax vs Lightning;
 - ``tracking.py`` (when present): MLflow tracking on vs off;
-- ``export.py``: a ~100M-parameter tree to safetensors, GB/s against memcpy.
+- ``port.py``: ``JaxModule.from_lightning`` (torch loss, traced) vs ``from_torch`` (JAX loss);
+- ``export.py``: a ~100M-parameter tree to safetensors, GB/s against memcpy;
+- ``checkpoint_cost.py``: step time with a checkpoint every 10 steps vs none (spoken digits).
 
 The scripts of this project that print their own tables are parsed into rows of the one
 schema of ``_stats.py``; their raw output is kept in the JSON too. The load average before
@@ -195,7 +197,16 @@ BENCHES = [
         ["--rounds", "1", "--steps", "20", "--warmup", "5", "--log-every", "5"],
         parse_tracking,
     ),
+    Bench(
+        "port", "port.py", ["--rounds", "7", "--steps", "300"], ["--rounds", "1", "--steps", "20"]
+    ),
     Bench("export", "export.py", [], ["--tiny"]),
+    Bench(
+        "checkpoint",
+        "checkpoint_cost.py",
+        ["--rounds", "3", "--steps", "300"],
+        ["--recipe", "digits", "--rounds", "1", "--steps", "40", "--warmup", "1"],
+    ),
 ]
 
 

@@ -86,6 +86,9 @@ def test_other_benchmarks_rows(tiny: tuple[dict[str, Any], str]) -> None:
     rows = _cases(data, export)
     assert rows["memcpy of the same bytes"]["ratio"] == pytest.approx(1.0)
     assert rows["export + save (end to end)"]["median"] > 0
+    port = _cases(data, "port/digits MLP")
+    assert port["from_torch (JAX loss)"]["ratio"] == pytest.approx(1.0)
+    assert port["from_lightning (torch loss)"]["median"] > 0
     assert all(rec.get("returncode", 0) == 0 for rec in data["machine"]["runs"].values())
 
 
