@@ -60,17 +60,24 @@ def main() -> None:
     ap.add_argument("--write", type=Path, help="replace the table between the markers")
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per model (median)")
     ap.add_argument("--only", default="", help="substring of the model names to run")
+    ap.add_argument("--cache", type=Path, help="JSON of finished rows: reused, extended")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    import json
+
     from tests.zoo.models import zoo
 
+    done = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     rows = []
     for entry in zoo():
         if args.only and args.only not in entry.name:
             continue
-        r = run_entry(entry, args.rounds)
+        r = done.get(entry.name) or run_entry(entry, args.rounds)
+        done[entry.name] = r
+        if args.cache:
+            args.cache.write_text(json.dumps(done, indent=1))
         print(
             f"{entry.name:60s} {r['result']:15s} {r.get('max_rel', '-')!s:24s} "
             f"{r['seconds']:.1f}s {r.get('reason', '')[:150]}",

@@ -227,7 +227,7 @@ class TorchTracer:
                 raise
             finally:
                 object.__setattr__(self._bound, "fn", None)
-        outputs = env.t2j_iso(out)
+        outputs = _plain(env.t2j_iso(out))
         if not train:
             return outputs, model_state
         new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}
@@ -316,6 +316,16 @@ class TorchTracer:
         spec = jax.tree.map(_spec, batch)
         for train in (True, False):
             jax.eval_shape(lambda b, t=train: fn(b, t), spec)
+
+
+def _plain(x: Any) -> Any:
+    """Outputs JAX can return: mapping types JAX does not know (transformers' ``ModelOutput``)
+    become dicts of their set fields."""
+    if isinstance(x, Mapping) and type(x) is not dict:
+        return {k: _plain(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_plain(v) for v in x)
+    return x
 
 
 def _spec(v: Any) -> jax.ShapeDtypeStruct:

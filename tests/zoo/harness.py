@@ -188,6 +188,12 @@ def classify(net: torch.nn.Module, batches: Sequence[dict], entry: Any, rounds: 
             "reason": str(err).split(" Fix:")[0],
             "seconds": time.perf_counter() - t0,
         }
+    except Exception as err:  # not ours: a row that says what broke, not a crashed table
+        return {
+            "result": "error",
+            "reason": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+            "seconds": time.perf_counter() - t0,
+        }
     losses = np.allclose(p.jax_losses, p.torch_losses, rtol=TOL, atol=1e-6)
     ok = p.max_rel <= TOL and losses
     return {
