@@ -25,12 +25,13 @@ which are host reads, and the step matches them by that number.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import torch
+from torch import nn
 
 from torchshell._errors import TorchModelError
 
@@ -271,3 +272,42 @@ def encode(values: Sequence[int]) -> tuple[int, ...]:
 def decode(dims: Sequence[int]) -> tuple[int, ...]:
     """The inverse of :func:`encode`."""
     return tuple(d // 2 if d % 2 == 0 else -(d + 1) // 2 for d in dims)
+
+
+@contextlib.contextmanager
+def mode(module: nn.Module, train: bool) -> Iterator[None]:
+    """``module.train(train)`` for the duration, then the module's own modes back."""
+    before = {m: m.training for m in module.modules()}
+    module.train(train)
+    try:
+        yield
+    finally:
+        for m, was in before.items():
+            m.training = was
+
+
+@contextlib.contextmanager
+def attributes_kept(module: nn.Module) -> Iterator[None]:
+    """Plain tensor attributes a forward caches on its modules (``self.src_mask = mask``,
+    Lightning's demo Transformer) are put back afterwards: no traced tensor outlives a call."""
+    before = [
+        (m, k, v)
+        for m in module.modules()
+        for k, v in vars(m).items()
+        if v is None or isinstance(v, torch.Tensor)
+    ]
+    try:
+        yield
+    finally:
+        for m, k, v in before:
+            m.__dict__[k] = v
+
+
+def plain(x: Any) -> Any:
+    """Outputs JAX can return: mapping types JAX does not know (transformers' ``ModelOutput``)
+    become dicts of their set fields."""
+    if isinstance(x, Mapping) and type(x) is not dict:
+        return {k: plain(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(plain(v) for v in x)
+    return x

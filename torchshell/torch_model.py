@@ -76,35 +76,6 @@ def _inputs(batch: Batch, keys: Sequence[str]) -> list[Any]:
     return [batch[k] for k in keys]
 
 
-@contextlib.contextmanager
-def _mode(module: nn.Module, train: bool) -> Iterator[None]:
-    """``module.train(train)`` for the duration, then the module's own modes back."""
-    before = {m: m.training for m in module.modules()}
-    module.train(train)
-    try:
-        yield
-    finally:
-        for m, was in before.items():
-            m.training = was
-
-
-@contextlib.contextmanager
-def _attributes_kept(module: nn.Module) -> Iterator[None]:
-    """Plain tensor attributes a forward caches on its modules (``self.src_mask = mask``,
-    Lightning's demo Transformer) are put back afterwards: no traced tensor outlives a call."""
-    before = [
-        (m, k, v)
-        for m in module.modules()
-        for k, v in vars(m).items()
-        if v is None or isinstance(v, torch.Tensor)
-    ]
-    try:
-        yield
-    finally:
-        for m, k, v in before:
-            m.__dict__[k] = v
-
-
 class _Bound(nn.Module):
     """Calls ``fn`` with ``module`` registered as its only child, so
     ``torch.func.functional_call`` can swap the module's weights for any method, not just
@@ -211,8 +182,8 @@ class TorchTracer:
         weights = {f"m.{k}": v for k, v in {**c, **s, **p}.items()}
         object.__setattr__(self._bound, "fn", None if fn is module else fn)
         with (
-            _mode(module, train),
-            _attributes_kept(module),
+            patterns.mode(module, train),
+            patterns.attributes_kept(module),
             env,
             env.override_property(prng=rng),
             torch.device("jax"),
@@ -227,7 +198,7 @@ class TorchTracer:
                 raise
             finally:
                 object.__setattr__(self._bound, "fn", None)
-        outputs = _plain(env.t2j_iso(out))
+        outputs = patterns.plain(env.t2j_iso(out))
         if not train:
             return outputs, model_state
         new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}
@@ -316,16 +287,6 @@ class TorchTracer:
         spec = jax.tree.map(_spec, batch)
         for train in (True, False):
             jax.eval_shape(lambda b, t=train: fn(b, t), spec)
-
-
-def _plain(x: Any) -> Any:
-    """Outputs JAX can return: mapping types JAX does not know (transformers' ``ModelOutput``)
-    become dicts of their set fields."""
-    if isinstance(x, Mapping) and type(x) is not dict:
-        return {k: _plain(v) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(_plain(v) for v in x)
-    return x
 
 
 def _spec(v: Any) -> jax.ShapeDtypeStruct:
