@@ -4,6 +4,7 @@ against the same module in plain Lightning (real Trainer, real checkpoints)."""
 from __future__ import annotations
 
 import collections
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -456,3 +457,40 @@ def test_one_line_port_example_runs(tmp_path: Path) -> None:
     sys.modules["port_one_line"] = module  # load_from_checkpoint finds the class by module
     spec.loader.exec_module(module)
     assert module.main(epochs=2, ckpt_dir=str(tmp_path)) > 0.6
+
+
+def test_lightning_demo_modules_train_unchanged(tmp_path: Path) -> None:
+    from lightning.pytorch.demos import LightningTransformer
+    from lightning.pytorch.demos.boring_classes import BoringModel, DemoModel, RandomDataset
+
+    # BoringModel brings its own loaders (train/val/test/predict) and SGD + StepLR
+    torch.manual_seed(0)
+    plain = BoringModel()
+    _trainer(tmp_path, max_steps=6).fit(plain)
+    torch.manual_seed(0)
+    jm = JaxModule.from_lightning(BoringModel(), print_summary=False)
+    trainer = _trainer(tmp_path, max_steps=6)
+    trainer.fit(jm)
+    _close_weights(plain, jm, rtol=1e-5)
+    trainer.test(jm)
+    (first, *_) = trainer.predict(jm)
+    assert tuple(first.shape) == (1, 2)
+    # DemoModel: a bare tensor batch, a sum as the loss, Adam
+    trainer = _trainer(tmp_path, max_steps=4)
+    trainer.fit(
+        JaxModule.from_lightning(DemoModel(), print_summary=False),
+        DataLoader(RandomDataset(32, 64), batch_size=8),
+    )
+    assert trainer.global_step == 4
+
+    # Lightning's demo Transformer (causal mask built from shapes, dropout), its own loss
+    class Offline(LightningTransformer):
+        def prepare_data(self) -> None:  # (the demo downloads WikiText-2 here)
+            pass
+
+    tokens = torch.randint(0, 50, (32, 9), generator=torch.Generator().manual_seed(0))
+    pairs = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    jm = JaxModule.from_lightning(Offline(vocab_size=50), print_summary=False)
+    trainer = _trainer(tmp_path, max_steps=3)
+    trainer.fit(jm, DataLoader(pairs, batch_size=8))
+    assert trainer.global_step == 3 and math.isfinite(trainer.logger.rows[-1][1]["train/loss"])

@@ -44,6 +44,13 @@ from torchshell.port._trace import LightningPort, LogSpec
 __all__ = ["LightningJaxModule"]
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+_DATA_HOOKS = (
+    "prepare_data",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+)
 # Hooks that run torch code on gradients or around the torch optimizer: the JAX step has no
 # place to run them, so a module that overrides one is refused rather than half-trained.
 _OPTIMIZER_HOOKS = (
@@ -108,15 +115,33 @@ class LightningJaxModule(JaxModule):
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
         self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
-        for hook in _EVAL_HOOKS:  # Lightning skips a loop whose hook is not overridden
+        for hook in _EVAL_HOOKS[:2]:  # Lightning skips a loop whose hook is not overridden
+            # (predict_step stays: Lightning's default one calls the module's forward)
             if not port.overrides(hook):
                 setattr(self, hook, getattr(L.LightningModule, hook).__get__(self))
+        for hook in _DATA_HOOKS:  # loaders the module defines itself are the run's loaders
+            if port.overrides(hook):
+                setattr(self, hook, getattr(module, hook))
         self._configs: list[Any] = []
         if module.hparams:  # the run's params in the loggers (MLflow) are the user's
             self.save_hyperparameters(dict(module.hparams))
 
     def _match_val_loader(self, trainer: L.Trainer) -> None:
-        """The user's own hooks decide, as in plain Lightning."""
+        """The user's own hooks decide, as in plain Lightning; the module sees the Trainer.
+
+        Its data hooks and ``configure_optimizers`` often read ``self.trainer`` (e.g.
+        ``estimated_stepping_batches``). Inside the traced steps, Trainer values are read
+        once, at trace time.
+        """
+        self.port.module.trainer = trainer
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.port.module.setup(stage)
+
+    def teardown(self, stage: str) -> None:
+        self.port.module.teardown(stage)
+        super().teardown(stage)
 
     # -- optimizer ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -170,7 +195,6 @@ class LightningJaxModule(JaxModule):
         try:
             return user.configure_optimizers()
         finally:
-            user._trainer = None
             for k, v in neutral.items():
                 setattr(trainer, k, v)
 

@@ -141,10 +141,13 @@ class LightningPort:
             records.append((spec, value))
 
         self.module.log = log  # type: ignore[method-assign]  # an instance attribute
+        device = self.module._device
+        self.module._device = torch.device("jax")  # tensors made on self.device are traced
         try:
             yield
         finally:
             del self.module.log
+            self.module._device = device
 
     def call(
         self,
