@@ -9,8 +9,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
 import lightning as L
 import numpy as np
+import optax
 import pytest
 import torch
 import torch.nn.functional as F
@@ -494,3 +496,29 @@ def test_lightning_demo_modules_train_unchanged(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, max_steps=3)
     trainer.fit(jm, DataLoader(pairs, batch_size=8))
     assert trainer.global_step == 3 and math.isfinite(trainer.logger.rows[-1][1]["train/loss"])
+
+
+def test_plain_jaxmodule_honours_accumulate_and_clip(tmp_path: Path) -> None:
+    x, y = _data(64).tensors
+    data = TensorDataset(x, y.int())
+    weights = []
+    for batch, flags in (
+        (32, {}),
+        (16, {"accumulate_grad_batches": 2}),
+        (32, {"gradient_clip_val": 1e-3}),
+    ):
+        module = JaxModule(
+            MLP(features=(16,), num_classes=3),
+            jaxcore.softmax_cross_entropy,
+            optax.sgd(0.5),
+            nan_policy="none",
+            print_summary=False,
+        )
+        trainer = _trainer(tmp_path, max_epochs=1, **flags)
+        trainer.fit(module, DataLoader(data, batch_size=batch))
+        assert trainer.global_step == 2
+        weights.append(jax.tree.leaves(jax.device_get(module.state.params)))
+    for a, b in zip(weights[0], weights[1], strict=True):  # 2 x 16 rows == one step on 32
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    moved = [np.abs(a - b).max() for a, b in zip(weights[0], weights[2], strict=True)]
+    assert max(moved) > 1e-3  # clipped to a tiny norm: another trajectory
