@@ -21,7 +21,7 @@ import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell import _state_io
-from torchshell._batches import check_fields, name_batch, rows, signature
+from torchshell._batches import check_fields, check_finite, name_batch, rows, signature
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
 from torchshell._train_log import TrainLog, find_lrs, fresh
@@ -430,6 +430,8 @@ class JaxModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         t0 = time.perf_counter()
         batch = self._prepare(batch)
+        if self.nan_policy == "stop":
+            check_finite(batch)
         m = self.flags.accumulate
         if m > 1:
             if self.steps_per_call > 1 or self.accum_steps > 1:

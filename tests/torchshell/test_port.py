@@ -522,3 +522,18 @@ def test_plain_jaxmodule_honours_accumulate_and_clip(tmp_path: Path) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     moved = [np.abs(a - b).max() for a, b in zip(weights[0], weights[2], strict=True)]
     assert max(moved) > 1e-3  # clipped to a tiny norm: another trajectory
+
+
+def test_nan_in_the_input_batch_is_named_not_blamed_on_the_learning_rate(tmp_path: Path) -> None:
+    x, y = _data(64).tensors
+    x = x.clone()
+    x[37, 2] = float("nan")
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    with pytest.raises(jaxcore.BatchError, match=r"\[0\].*NaN or Inf in rows \[5\].*nan_to_num"):
+        _trainer(tmp_path, max_epochs=1).fit(
+            JaxModule.from_lightning(Tagger(), print_summary=False), loader
+        )
+    skip = JaxModule.from_lightning(Tagger(), nan_policy="skip", print_summary=False)
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(skip, loader)  # the policy that skips bad steps skips it
+    assert int(skip.state.nonfinite) == 1 and trainer.global_step == 4
