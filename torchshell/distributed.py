@@ -5,7 +5,7 @@ device, reads its own shard of the data (``torchshell.data`` keys the sampler by
 ``jax.process_index()``), and the bridge assembles the global batch from each process's rows.
 Collectives are XLA's own (NCCL on GPU, gloo on CPU); the coordination service of process 0
 checks heartbeats, so when a process dies the others stop after ``heartbeat_timeout_s``
-instead of hanging. ``coreshell launch`` (:mod:`torchshell.launch`) starts the processes on one
+instead of hanging. ``coreshell launch`` (:mod:`torchshell.app.launch`) starts the processes on one
 machine and reports which rank died at once.
 """
 
