@@ -6,14 +6,19 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlflow
 import pytest
-from safetensors.torch import load_file
 
-from tests.helpers import quiet_env, run_ok
+from benchmarks._runs import (
+    cli_module,
+    losses,
+    run_ok,
+    same_weights,
+    start_and_wait_for_checkpoint,
+    train_cmd,
+)
 from torchshell.checkpoint import latest_checkpoint, verify
 
 STEPS = 120
@@ -32,53 +37,13 @@ COMMON = [
 
 
 def _cmd(tmp: Path, name: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torchshell.app.cli",
-        "train",
-        *COMMON,
-        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
-        f"tracking.experiment={name}",
-        f"hydra.run.dir={tmp}/{name}",
-        *extra,
-    ]
-
-
-def _losses(tmp: Path, experiment: str) -> dict[int, float]:
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
-    exp = client.get_experiment_by_name(experiment)
-    history: dict[int, float] = {}
-    for run in client.search_runs([exp.experiment_id]):
-        for m in client.get_metric_history(run.info.run_id, "train/loss"):
-            history[m.step] = m.value
-    return history
-
-
-def _start_and_wait_for_checkpoint(
-    cmd: list[str], cwd: Path, ckpt_dir: Path, extra_wait: float
-) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=quiet_env(),
-    )
-    deadline = time.monotonic() + 300
-    while latest_checkpoint(ckpt_dir, log=lambda _: None) is None:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    time.sleep(extra_wait)
-    return proc
+    return train_cmd(tmp, name, *COMMON, *extra)
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
     run_ok(_cmd(tmp_path, "full", f"ckpt.dir={tmp_path}/ck_full"), tmp_path)
     ckpt = tmp_path / "ck_kill"
-    proc = _start_and_wait_for_checkpoint(
+    proc = start_and_wait_for_checkpoint(
         _cmd(tmp_path, "killed", f"ckpt.dir={ckpt}"), tmp_path, ckpt, random.uniform(0.0, 1.0)
     )
     proc.send_signal(signal.SIGKILL)
@@ -88,13 +53,12 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
     assert resumed_from is not None
     run_ok(_cmd(tmp_path, "resumed", f"ckpt.dir={ckpt}", "resume=last"), tmp_path)
 
-    full = load_file(tmp_path / "full" / "export" / "model.safetensors")
-    resumed = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
-    assert full.keys() == resumed.keys()
-    for key in full:
-        assert (full[key] == resumed[key]).all(), key
+    assert same_weights(
+        tmp_path / "full" / "export" / "model.safetensors",
+        tmp_path / "resumed" / "export" / "model.safetensors",
+    )
     # The loss history after the checkpoint is the uninterrupted run's, exactly.
-    full_losses, resumed_losses = _losses(tmp_path, "full"), _losses(tmp_path, "resumed")
+    full_losses, resumed_losses = losses(tmp_path, "full"), losses(tmp_path, "resumed")
     assert resumed_losses and all(full_losses[s] == v for s, v in resumed_losses.items())
     # Every checkpoint carries the torch export and the config, so it loads without JAX.
     for path in ckpt.iterdir():
@@ -105,7 +69,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path):
     ckpt = tmp_path / "ck"
-    proc = _start_and_wait_for_checkpoint(
+    proc = start_and_wait_for_checkpoint(
         _cmd(tmp_path, "term", f"ckpt.dir={ckpt}"), tmp_path, ckpt, 0.2
     )
     proc.send_signal(signal.SIGTERM)
@@ -141,7 +105,7 @@ def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path):
 )
 def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, needle: str):
     proc = subprocess.run(
-        [sys.executable, "-m", "torchshell.app.cli", "train", override],
+        [sys.executable, "-m", cli_module(), "train", override],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -155,7 +119,7 @@ def test_multirun_gives_one_mlflow_run_per_job(tmp_path: Path):
     cmd = [
         sys.executable,
         "-m",
-        "torchshell.app.cli",
+        cli_module(),
         "train",
         "-m",
         "data=digits",
