@@ -56,7 +56,8 @@ def state_to_tensors(state: Any) -> dict[str, torch.Tensor]:
     """The JAX state as ``{pytree path: torch.Tensor}`` (host copies, typed keys as data).
 
     Example:
-        >>>         >>> sorted(state_to_tensors({"w": jnp.ones(2), "k": jax.random.key(0)}))
+        >>> import jax.numpy as jnp
+        >>> sorted(state_to_tensors({"w": jnp.ones(2), "k": jax.random.key(0)}))
         ["['k']", "['w']"]
     """
     if jax.process_count() > 1:
