@@ -66,6 +66,17 @@ def _rows(**shapes: tuple[int, ...]) -> Callable[[torch.Generator], dict]:
     return make
 
 
+class Kw(nn.Module):
+    """Calls ``model`` with the batch inputs as keyword arguments (``names``), plus ``extra``."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...], **extra: Any) -> None:
+        super().__init__()
+        self.model, self.names, self.extra = model, names, extra
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, args, strict=True)), **self.extra)
+
+
 # -- stock torch -------------------------------------------------------------------------
 class CausalLM(nn.Module):
     """nn.Transformer with its causal masks built from shapes in forward."""
@@ -227,7 +238,7 @@ def _vision() -> list[Entry]:
             "vit (32px, patch 8, 2 layers)",
             "torchvision",
             lambda: tvm.VisionTransformer(32, 8, 2, 2, 32, 64, num_classes=10),
-            _img(),
+            _img(32),
             ("x",),
         ),
         Entry(
@@ -414,17 +425,21 @@ def _hf() -> list[Entry]:
         Entry(
             "GPT2LMHeadModel (tied embeddings)",
             "transformers",
-            lambda: hf.GPT2LMHeadModel(
-                hf.GPT2Config(
-                    vocab_size=64,
-                    n_positions=32,
-                    n_embd=32,
-                    n_layer=2,
-                    n_head=2,
-                    resid_pdrop=0.0,
-                    embd_pdrop=0.0,
-                    attn_pdrop=0.0,
-                )
+            lambda: Kw(
+                hf.GPT2LMHeadModel(
+                    hf.GPT2Config(
+                        vocab_size=64,
+                        n_positions=32,
+                        n_embd=32,
+                        n_layer=2,
+                        n_head=2,
+                        resid_pdrop=0.0,
+                        embd_pdrop=0.0,
+                        attn_pdrop=0.0,
+                    )
+                ),
+                ("input_ids", "attention_mask"),
+                use_cache=False,
             ),
             _tokens(),
             ("x", "am"),
@@ -434,17 +449,21 @@ def _hf() -> list[Entry]:
         Entry(
             "T5ForConditionalGeneration",
             "transformers",
-            lambda: hf.T5ForConditionalGeneration(
-                hf.T5Config(
-                    vocab_size=64,
-                    d_model=32,
-                    d_kv=16,
-                    d_ff=64,
-                    num_layers=1,
-                    num_heads=2,
-                    dropout_rate=0.0,
-                    decoder_start_token_id=0,
-                )
+            lambda: Kw(
+                hf.T5ForConditionalGeneration(
+                    hf.T5Config(
+                        vocab_size=64,
+                        d_model=32,
+                        d_kv=16,
+                        d_ff=64,
+                        num_layers=1,
+                        num_heads=2,
+                        dropout_rate=0.0,
+                        decoder_start_token_id=0,
+                    )
+                ),
+                ("input_ids", "attention_mask", "decoder_input_ids"),
+                use_cache=False,
             ),
             t5,
             ("x", "am", "dx"),
@@ -455,7 +474,7 @@ def _hf() -> list[Entry]:
             "ViTForImageClassification",
             "transformers",
             lambda: hf.ViTForImageClassification(vit_cfg()),
-            _img(),
+            _img(32),
             ("x",),
             "ce",
             logits,
@@ -466,6 +485,10 @@ def _hf() -> list[Entry]:
             lambda: (
                 hf.WhisperModel(
                     hf.WhisperConfig(
+                        pad_token_id=0,
+                        bos_token_id=1,
+                        eos_token_id=2,
+                        decoder_start_token_id=1,
                         d_model=32,
                         encoder_layers=2,
                         encoder_attention_heads=2,
