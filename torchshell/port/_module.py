@@ -110,6 +110,7 @@ class LightningJaxModule(JaxModule):
         self.mapped: MappedOptimizer | None = None
         self._returned: Any = None  # configure_optimizers(): Lightning holds (and restores) it
         self._pristine: Any = None  # a copy as first returned: the schedule is mapped from it
+        self._map_key: tuple[Any, ...] | None = None
         self._epoch: dict[str, Any] | None = None
         self._restore_weights: Mapping[str, torch.Tensor] | None = None
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
@@ -213,14 +214,21 @@ class LightningJaxModule(JaxModule):
             per_epoch = math.ceil(int(batches) / m)
             epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
             total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
+        per_batches = None if batches is None or math.isinf(batches) else int(batches)
+        key = (per_epoch, max(int(total), 1), m, per_batches)
+        if key == self._map_key and self.mapped is not None:
+            return  # (a later fit of the same run: the compiled step stays valid)
+        self._map_key = key
         self.mapped = map_configure_optimizers(
             self._pristine,
             named,
             steps_per_epoch=per_epoch,
-            total_steps=max(int(total), 1),
+            total_steps=key[1],
             accumulate_grad_batches=m,
-            batches_per_epoch=None if batches is None or math.isinf(batches) else int(batches),
+            batches_per_epoch=per_batches,
         )
+        self._train_step = None  # the tables are constants of the compiled step
+        self._short_steps = {}
 
     def optimizer(self) -> optax.GradientTransformation:
         if self.tx is None:
@@ -242,8 +250,6 @@ class LightningJaxModule(JaxModule):
     def on_train_start(self) -> None:
         if self.tx is None:
             self._map(provisional=False)
-            self._train_step = None
-            self._short_steps = {}
             if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
                 print(f"coreshell: optimizer {self.mapped.description} (mapped onto optax)")
 
