@@ -1,5 +1,6 @@
 """The real `coreshell train` command on tiny configs, each into a temporary MLflow store."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import CLI, run_ok
+from tests.helpers import CLI, run_all, run_ok
 from torchshell._errors import ConfigError
 from torchshell.app.export_cli import export_command
 from torchshell.twins.digits import MLP as TwinMLP
@@ -142,3 +143,31 @@ def test_every_readme_train_command_composes_and_passes_the_checks(tmp_path: Pat
     typed(compose_config(make.split('"')[1].split())).check()
     proc = run_ok([*CLI, "train", "--cfg", "job"], tmp_path)
     assert "_target_: torchshell.data.spoken_digits.SpokenDigitsDataModule" in proc.stdout
+
+
+NOISE = re.compile(
+    r"(?i)warning|^[WE]\d{4} |\bINFO\b|terminate called|Aborted|core dumped|Traceback"
+)
+
+
+@pytest.mark.timeout(1500)  # the real default recipe: minutes on 2 shared cores
+def test_a_default_train_is_quiet_and_truthful(tmp_path: Path):
+    """`coreshell train` at the defaults (the spoken-digits recipe), a few steps, as a user's
+    shell runs it (no test device count, Python's default warnings): the config line, the
+    param table, one progress bar, the end summary, and nothing else. Then the README's
+    `coreshell export RUN_DIR --format onnx` on that run."""
+    cmd = [*CLI, "train", "trainer.max_steps=4", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    (proc,) = run_all([[*cmd, f"hydra.run.dir={tmp_path}/run"]], tmp_path, timeout=1400)
+    out = proc.stdout.replace("\r", "\n")
+    lines = [line for line in (out + "\n" + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [line for line in lines if NOISE.search(line)] == []
+    assert out.lstrip().startswith("coreshell train: spoken_digits (SpokenDigitsDataModule,")
+    table = out.split("sharding", 1)[1].split("total", 1)[0]
+    assert "replicated" in table and "()" not in table
+    bars = [line for line in lines if line.startswith("train steps")]
+    assert bars and all("/4 " in bar for bar in bars) and "4/4" in bars[-1]
+    assert "Epoch" not in out and "v_num" not in out
+    assert "MLflow run " in out and "parity max abs diff" in out and "compile cache" in out
+    exported = run_ok([*CLI, "export", str(tmp_path / "run"), "--format", "onnx"], tmp_path)
+    assert "wrote" in exported.stdout and "onnxruntime vs torch" in exported.stdout

@@ -149,10 +149,31 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
         if system is not None:
             system.stop()
         report = logger.close(status) if logger is not None else None
+        _stop_workers(trainer)
     if report is None:  # only process 0 has a logger, and it returned above otherwise
         raise RuntimeError("process 0 ended without a tracking report")
     console.end_summary(cfg, run, report, metrics, result)
     return {"run_id": report.run_id, "tracking_uri": cfg.tracking.uri, "metrics": metrics, **result}
+
+
+def _stop_workers(trainer: L.Trainer) -> None:
+    """Joins the DataLoader workers now. ``persistent_workers`` keeps them alive after the
+    last epoch; left to the interpreter's exit they were killed mid-shutdown and one printed
+    the C++ abort ``terminate called without an active exception``."""
+    loaders: list[Any] = []
+    for name in ("train_dataloader", "val_dataloaders", "test_dataloaders"):
+        try:
+            value = getattr(trainer, name)
+        except Exception:  # a stage that never ran has no loaders
+            continue
+        if isinstance(value, dict):
+            value = list(value.values())
+        loaders += value if isinstance(value, list | tuple) else [value]
+    for loader in loaders:
+        workers = getattr(loader, "_iterator", None)
+        if workers is not None and hasattr(workers, "_shutdown_workers"):
+            workers._shutdown_workers()  # sends each worker its stop and joins it
+            loader._iterator = None
 
 
 def _trainer_args(trainer: TrainerConfig, main: bool) -> dict[str, Any]:
