@@ -537,3 +537,42 @@ def test_nan_in_the_input_batch_is_named_not_blamed_on_the_learning_rate(tmp_pat
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(skip, loader)  # the policy that skips bad steps skips it
     assert int(skip.state.nonfinite) == 1 and trainer.global_step == 4
+
+
+class Bag(L.LightningModule):
+    """Mean-pooled token embeddings: the padding row gets no gradient in torch."""
+
+    def __init__(self, vocab: int = 30) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8, padding_idx=0)
+        self.head = nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, y = batch
+        loss = F.cross_entropy(self.head(self.embed(tokens).mean(1)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_embedding_indices_are_checked_and_padding_rows_frozen_like_torch(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 30, (32, 6), generator=g)  # holds the padding id 0 too
+    y = torch.randint(0, 3, (32,), generator=g)
+    loader = DataLoader(TensorDataset(tokens, y), batch_size=8)
+    torch.manual_seed(0)
+    plain = Bag()
+    _trainer(tmp_path, max_epochs=1).fit(plain, loader)
+    torch.manual_seed(0)
+    jm = JaxModule.from_lightning(Bag(), print_summary=False)
+    _trainer(tmp_path, max_epochs=1).fit(jm, loader)
+    _close_weights(plain, jm, rtol=1e-5)  # incl. embed.weight[0], never updated by torch
+    bad = tokens.clone()
+    bad[9, 2] = 49
+    with pytest.raises(jaxcore.BatchError, match=r"\[0\] indexes an embedding table of 30.*49"):
+        _trainer(tmp_path, max_epochs=1).fit(
+            JaxModule.from_lightning(Bag(), print_summary=False),
+            DataLoader(TensorDataset(bad, y), batch_size=8),
+        )

@@ -269,6 +269,7 @@ class LightningJaxModule(JaxModule):
 
     # -- hand-over: the user's structure, no padding -------------------------------------------
     def _prepare(self, batch: Any) -> Any:
+        self.port.embeddings.check(batch)  # (the fields are known once the step is traced)
         return batch
 
     def _leading(self, tree: Any, axis: int = 0) -> int:
@@ -320,6 +321,8 @@ class LightningJaxModule(JaxModule):
     def init_state(self, batch: Any) -> Any:
         fresh = self.state is None
         state = super().init_state(batch)
+        if fresh:
+            self.port.embeddings.check(batch)  # the batch the trace found the fields on
         if fresh and self._restore_weights is not None:
             self.state = self._with_weights(state, self._restore_weights)
             self._restore_weights = None

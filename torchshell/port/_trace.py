@@ -21,6 +21,7 @@ import lightning as L
 import torch
 
 from jaxcore import ModelFns
+from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell.torch_model import TorchTracer
 
@@ -94,6 +95,8 @@ class LightningPort:
             )
         self.module = module
         self.tracer = TorchTracer(module)
+        self.embeddings = EmbeddingChecks()
+        self.embeddings.install(self.tracer.env)
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
 
     def overrides(self, hook: str) -> bool:
@@ -164,7 +167,11 @@ class LightningPort:
         def fn(b: Any) -> Any:
             # Lightning's precision plugin may have entered torch.autocast around our
             # training_step; the traced step's dtype is the JAX step's, not autocast's.
-            with self._capture(hook, records), torch.autocast("cpu", enabled=False):
+            with (
+                self._capture(hook, records),
+                self.embeddings.watching(b),
+                torch.autocast("cpu", enabled=False),
+            ):
                 out = getattr(self.module, hook)(b, 0)
             return out, [value for _, value in records]
 
