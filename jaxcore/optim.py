@@ -17,8 +17,8 @@ def make_schedule(
 
     Example:
         >>> s = make_schedule(1e-3, schedule="cosine", warmup_steps=10, total_steps=100)
-        >>> float(s(10)) == 1e-3
-        True
+        >>> round(float(s(10)), 6)  # the peak, after warmup (float32)
+        0.001
     """
     if schedule not in _SCHEDULES:
         raise ConfigError(f"Unknown schedule {schedule!r}; expected one of {_SCHEDULES}.")
@@ -74,7 +74,7 @@ def make_optimizer(
     Example:
         >>> import jax.numpy as jnp
         >>> tx = make_optimizer("adamw", lr=1e-2)
-        >>> float(current_lr(tx.init({"w": jnp.zeros(3)})))
+        >>> round(float(current_lr(tx.init({"w": jnp.zeros(3)}))), 6)
         0.01
     """
     if name not in _OPTIMIZERS:
