@@ -529,10 +529,24 @@ class JaxModule(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         self._window = []  # (a window never spans epochs: the last batch closes it)
 
+    def on_fit_end(self) -> None:
+        pending = self._restore_dir is not None or self._restore_tensors is not None
+        if self.state is None and pending:  # resumed at the end: no step left to run
+            self._restore_without_steps()
+
     def on_train_end(self) -> None:
         self.train_log.finish()
         if self.state is not None and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
+
+    def _restore_without_steps(self) -> None:
+        """Builds the restored state from one training batch's shapes (nothing trains)."""
+        loader = self.trainer.train_dataloader
+        if loader is None:
+            return
+        batch = self._prepare(next(iter(loader)))
+        one = batch if self.flags.accumulate > 1 else self._one_step_view(batch)[1]
+        self.init_state(one)
 
     # -- evaluation ----------------------------------------------------------------------
     def _eval(self, batch: Any) -> None:

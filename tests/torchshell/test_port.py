@@ -576,3 +576,16 @@ def test_embedding_indices_are_checked_and_padding_rows_frozen_like_torch(tmp_pa
             JaxModule.from_lightning(Bag(), print_summary=False),
             DataLoader(TensorDataset(bad, y), batch_size=8),
         )
+
+
+def test_a_resume_with_no_step_left_still_restores_the_state(tmp_path: Path) -> None:
+    train = DataLoader(_data(64), batch_size=16)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    torch.manual_seed(0)
+    done = JaxModule.from_lightning(Tagger(), print_summary=False)
+    _trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt]).fit(done, train)
+    again = JaxModule.from_lightning(Tagger(), print_summary=False)
+    _trainer(tmp_path, max_epochs=1).fit(again, train, ckpt_path=ckpt.last_model_path)
+    assert again.state is not None  # (the CLI exports it; nothing was left to train)
+    for name, value in done.torch_state_dict().items():
+        torch.testing.assert_close(again.torch_state_dict()[name], value)
