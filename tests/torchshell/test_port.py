@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -589,3 +590,26 @@ def test_a_resume_with_no_step_left_still_restores_the_state(tmp_path: Path) -> 
     assert again.state is not None  # (the CLI exports it; nothing was left to train)
     for name, value in done.torch_state_dict().items():
         torch.testing.assert_close(again.torch_state_dict()[name], value)
+
+
+def test_coreshell_train_ports_a_lightning_module_by_import_path(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.torchshell.lit_digits import LitDigits
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable, "-m", "torchshell.app.cli", "train", "data=digits",
+        "model.lightning._target_=tests.torchshell.lit_digits.LitDigits",
+        "trainer.max_steps=40", "ckpt.every_n_steps=0", "trainer.enable_progress_bar=false",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/run",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SGD + StepLR" in proc.stdout and "parity max abs diff" in proc.stdout
+    exported = load_file(tmp_path / "run" / "export" / "model.safetensors")
+    LitDigits().load_state_dict(exported, strict=True)

@@ -147,6 +147,15 @@ class ModelConfig:
     flax: Any = None
     twin: Any = None
     torch: Any = None
+    # a LightningModule to port as it is (JaxModule.from_lightning): set its `_target_`
+    lightning: Any = field(default_factory=lambda: {"_target_": None})
+
+    @property
+    def lightning_module(self) -> Any:
+        """The ``lightning`` config when it names a class, else ``None``."""
+        node = self.lightning
+        return node if node is not None and node.get("_target_") else None
+
     inputs: list[str] = field(default_factory=lambda: ["x"])
     loss: str = "softmax_cross_entropy"
     recipe: str | None = None
@@ -198,9 +207,11 @@ class Config:
                 f"{sorted(LOSSES)}. Fix: set model.loss to one of them, or add yours to "
                 "torchshell.app.config.LOSSES."
             )
-        if self.model.torch is None and (self.model.flax is None or self.model.twin is None):
+        whole = self.model.torch is not None or self.model.lightning_module is not None
+        if not whole and (self.model.flax is None or self.model.twin is None):
             raise ConfigError(
-                "model needs either `torch` (an nn.Module to trace) or both `flax` and `twin`; "
+                "model needs `lightning` (a LightningModule), `torch` (an nn.Module to trace) "
+                "or both `flax` and `twin`; "
                 f"got flax={self.model.flax}, twin={self.model.twin}. Fix: pick a model config "
                 "(model=digits, model=torch_mlp, ...) or set those keys."
             )

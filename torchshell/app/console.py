@@ -42,7 +42,7 @@ def config_line(cfg: Config, run: Prepared) -> None:
         mesh {'data': -1, 'model': 1} on 2 cpu device(s), max_steps 600, fp32, compile cache off
     """
     data = str(cfg.data.get("_target_", "?")).rsplit(".", 1)[-1]
-    model = cfg.model.torch or cfg.model.flax or {}
+    model = cfg.model.lightning_module or cfg.model.torch or cfg.model.flax or {}
     model_name = str(model.get("_target_", "?")).rsplit(".", 1)[-1]
     recipe = cfg.model.recipe or cfg.data.get("recipe") or "custom"
     length = (

@@ -160,6 +160,11 @@ def build(cfg: Config) -> tuple[Any, Any, Any]:
         nan_policy=cfg.step.nan_policy,
         print_summary=cfg.trainer.enable_model_summary and distributed.is_main(),
     )
+    if cfg.model.lightning_module is not None:  # its own loss, self.log and optimizers
+        torch.manual_seed(cfg.seed)
+        lit = instantiate(cfg.model.lightning_module, _convert_="all")
+        options.pop("inputs")
+        return data, JaxModule.from_lightning(lit, **options), lit
     loss = LOSSES[cfg.model.loss]
     tx = jaxcore.make_optimizer(**plain(cfg.optim))
     if cfg.model.torch is not None:

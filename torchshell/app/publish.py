@@ -32,11 +32,13 @@ def servable(twin: torch.nn.Module) -> tuple[torch.nn.Module, np.ndarray]:
     front-end in front of the encoder), else the twin; with a numpy input example."""
     serve: Any = getattr(twin, "serving", twin.eval)()
     example = serve.example_input() if hasattr(serve, "example_input") else None
+    if example is None:  # Lightning's own convention
+        example = getattr(serve, "example_input_array", None)
     if not isinstance(example, torch.Tensor):
         raise TypeError(
-            f"{type(serve).__name__} needs an example_input() returning one tensor to be "
-            "logged as an MLflow model. Fix: add it, or a serving() method that wraps the "
-            "twin into a single-input module."
+            f"{type(serve).__name__} needs an example_input() (or Lightning's "
+            "example_input_array) returning one tensor to be logged as an MLflow model. Fix: "
+            "add it, or a serving() method that wraps the twin into a single-input module."
         )
     if example.dim() and example.shape[0] == 1:  # torch.export specialises a batch of 1
         example = example.expand(2, *example.shape[1:]).contiguous()  # two rows keep it free

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import OmegaConf
 
 import jaxcore
@@ -118,8 +119,8 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
             )
             raise SystemExit(1) from None
         metrics = {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
-        if cfg.test_after_fit:
-            trainer.test(module, datamodule=data, verbose=False)
+        if cfg.test_after_fit and is_overridden("test_step", module):  # (a ported module
+            trainer.test(module, datamodule=data, verbose=False)  # may have none)
             metrics |= {k: float(np.asarray(v)) for k, v in trainer.callback_metrics.items()}
         if module.state is None:
             raise ConfigError(
