@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import lightning as L
-import numpy as np
 import optax
 import torch
 from jax.sharding import Mesh
@@ -21,9 +19,15 @@ import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell import _state_io
-from torchshell._batches import check_fields, check_finite, name_batch, rows, signature
+from torchshell._batches import check_finite, signature
 from torchshell._errors import ConfigError
-from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
+from torchshell._flags import TrainerFlags
+from torchshell._module_parts import (
+    CheckpointPart,
+    EvaluationPart,
+    HandOverPart,
+    TrainerFlagsPart,
+)
 from torchshell._train_log import TrainLog, find_lrs, fresh
 from torchshell.checkpoint import restore_state
 from torchshell.summary import param_summary
@@ -31,12 +35,8 @@ from torchshell.summary import param_summary
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Mapping[str, torch.Tensor]
 
-# Lightning warns that a manual-optimization checkpoint holds the state *after* the optimizer
-# step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
-_AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
-
-class JaxModule(L.LightningModule):
+class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
     """Runs jaxcore train/eval/predict steps inside the real ``lightning.Trainer``.
 
     Lightning drives the loop (epochs, validation cadence, callbacks, loggers); each batch
@@ -230,144 +230,6 @@ class JaxModule(L.LightningModule):
             {"params": self.state.params, **self.state.model_state}, twin
         )
 
-    # -- the Trainer's flags (read when Lightning attaches the module) ----------------------
-    @property  # type: ignore[override]
-    def trainer(self) -> L.Trainer:
-        return L.LightningModule.trainer.fget(self)  # type: ignore[attr-defined,no-any-return]
-
-    @trainer.setter
-    def trainer(self, trainer: L.Trainer | None) -> None:
-        L.LightningModule.trainer.fset(self, trainer)  # type: ignore[attr-defined]
-        if trainer is not None and self._flag_originals is None:
-            flags, self._flag_originals = adopt_flags(trainer)
-            self._adopt(flags)
-            self._match_val_loader(trainer)
-
-    def _match_val_loader(self, trainer: L.Trainer) -> None:
-        """Validation runs when the run has a val loader (no Lightning warning otherwise).
-
-        Lightning warns about a ``validation_step`` without a ``val_dataloader``; this one is
-        ours, not the user's, so without a loader it is hidden (Lightning's own check).
-        """
-        has_loader = trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
-        if has_loader:
-            self.__dict__.pop("validation_step", None)
-        else:
-            self.validation_step = L.LightningModule.validation_step.__get__(self)  # type: ignore[method-assign]
-
-    def _adopt(self, flags: TrainerFlags) -> None:
-        if flags.compute_dtype is not None and self.compute_dtype not in (
-            None,
-            flags.compute_dtype,
-        ):
-            raise ConfigError(
-                f"Trainer(precision=...) asks for {flags.compute_dtype} compute but the "
-                f"module was built with compute_dtype={self.compute_dtype!r}. Fix: set one "
-                "of the two."
-            )
-        if flags != self.flags:
-            self._train_step = self._eval_step = self._predict_step = None
-            self._short_steps = {}
-        if self.flags.clip_val != flags.clip_val and self.state is not None:
-            raise ConfigError(
-                "gradient_clip_val changed after the optimizer state was built. Fix: use "
-                "the same Trainer flags for every fit of one module."
-            )
-        self.flags = flags
-
-    @property
-    def _compute_dtype(self) -> str | None:
-        return self.compute_dtype or self.flags.compute_dtype
-
-    def setup(self, stage: str) -> None:
-        # (see _AFTER_STEP_WARNING); scoped to this run, undone in teardown
-        self._quiet = contextlib.ExitStack()
-        self._quiet.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", message=_AFTER_STEP_WARNING, category=UserWarning)
-
-    def teardown(self, stage: str) -> None:
-        if self._quiet is not None:
-            self._quiet.close()
-            self._quiet = None
-        if self._flag_originals is not None and self._trainer is not None:
-            restore_flags(self.trainer, self._flag_originals)
-        self._flag_originals = None
-
-    def configure_optimizers(self) -> Any:
-        """No torch optimizer: the optax optimizer runs inside the JAX step."""
-        return []  # (an empty list, unlike None, is a valid "no optimizer" for Lightning)
-
-    def optimizer(self) -> optax.GradientTransformation:
-        """The optax transform the step applies: the Trainer's clipping, then ``tx``."""
-        if self.tx is None:
-            raise ConfigError(
-                "JaxModule needs an optax optimizer. Fix: pass optimizer=... (e.g. "
-                "jaxcore.make_optimizer(lr=1e-3))."
-            )
-        if self.flags.clip_val is None:
-            return self.tx
-        from torchshell.port import torch_clip
-
-        return optax.chain(torch_clip(self.flags.clip_val, self.flags.clip_algorithm), self.tx)
-
-    # -- hand-over ---------------------------------------------------------------------------
-    def _prepare(self, batch: Any) -> Any:
-        """The batch as the model reads it: named fields for the Flax path."""
-        return name_batch(batch, self.batch_keys)
-
-    def _global_rows(self, batch: Batch) -> int:
-        """Rows of the padded global batch: the batch rounded up to the data axis."""
-        ways = self.mesh.shape[self.data_axis]
-        return -(-rows(batch) // ways) * ways
-
-    def _to_jax(self, batch: Batch, rows_: int | None = None) -> Any:
-        rows_ = self._global_rows(batch) if rows_ is None else rows_
-        if "mask" in batch or rows(batch) != rows_:  # ragged: padded, with a mask of real rows
-            return bridge.to_jax(
-                batch, self.batch_sharding, pad_to=rows_, stats=self.transfer_stats
-            )
-        # a full batch: its all-true mask is made on device once, not handed over each step
-        out = bridge.to_jax(batch, self.batch_sharding, stats=self.transfer_stats)
-        out["mask"] = self._full_mask(rows_ * jax.process_count())
-        return out
-
-    def _full_mask(self, n: int) -> jax.Array:
-        mask = self._masks.get(n)
-        if mask is None:
-            mask = self._masks[n] = jax.device_put(np.ones(n, bool), self.batch_sharding)
-        return mask
-
-    def _stack(self, batches: list[Any]) -> Any:
-        """m batches of one window as ``[m, B, ...]`` (padded to the first one's rows)."""
-        n = self._global_rows(batches[0])
-        padded = [bridge.pad_batch(b, n) for b in batches]
-        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
-        return bridge.to_jax(stacked, self.window_sharding, stats=self.transfer_stats)
-
-    def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
-        """``(jax batch, one step's torch batch, rows per step)`` for K steps per call."""
-        k = self.steps_per_call
-        if k == 1:
-            return self._to_jax(batch), batch, self._global_rows(batch)
-        n = rows(batch)
-        ways = self.mesh.shape[self.data_axis]
-        if n % k or (n // k) % ways:
-            raise ConfigError(
-                f"steps_per_call={k} needs training batches of K*B rows with B divisible by "
-                f"the data axis ({ways}), got {n} rows. Fix: set the DataLoader batch size "
-                f"to {k} x (a multiple of {ways}) and drop_last=True for training."
-            )
-        views = {name: t.view(k, n // k, *t.shape[1:]) for name, t in batch.items()}
-        jbatch = bridge.to_jax(views, self.stacked_sharding, stats=self.transfer_stats)
-        return jbatch, {name: t[: n // k] for name, t in batch.items()}, n // k
-
-    def _batch_check(self, batch: Any) -> contextlib.AbstractContextManager[None]:
-        return check_fields(self._fields, batch)
-
-    def _sample(self, batch: Any) -> Any:
-        """A JAX batch with one step's shapes, to build the state from."""
-        return self._to_jax(batch)
-
     def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
         if self.state is None:
@@ -529,102 +391,7 @@ class JaxModule(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         self._window = []  # (a window never spans epochs: the last batch closes it)
 
-    def on_fit_end(self) -> None:
-        pending = self._restore_dir is not None or self._restore_tensors is not None
-        if self.state is None and pending:  # resumed at the end: no step left to run
-            self._restore_without_steps()
-
     def on_train_end(self) -> None:
         self.train_log.finish()
         if self.state is not None and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
-
-    def _restore_without_steps(self) -> None:
-        """Builds the restored state from one training batch's shapes (nothing trains)."""
-        loader = self.trainer.train_dataloader
-        if loader is None:
-            return
-        batch = self._prepare(next(iter(loader)))
-        one = batch if self.flags.accumulate > 1 else self._one_step_view(batch)[1]
-        self.init_state(one)
-
-    # -- evaluation ----------------------------------------------------------------------
-    def _eval(self, batch: Any) -> None:
-        batch = self._prepare(batch)
-        state = self.init_state(batch)
-        if self._eval_step is None:
-            self._eval_step = jaxcore.make_eval_step(
-                self.model_fns,
-                self.loss_fn,
-                state_sharding=jaxcore.state_shardings(state),
-                batch_sharding=self.batch_sharding,
-                compute_dtype=self._compute_dtype,
-            )
-        with self._batch_check(batch):
-            sums = self._eval_step(state, self._to_jax(batch))
-        self._eval_sums = (
-            sums
-            if self._eval_sums is None
-            else jax.tree.map(lambda a, b: a + b, self._eval_sums, sums)
-        )
-
-    def _eval_epoch_end(self, prefix: str) -> None:
-        if self._eval_sums is None:
-            return
-        sums = jax.device_get(self._eval_sums)
-        self._eval_sums = None
-        count = float(sums.pop("count"))
-        self.log_dict(
-            {f"{prefix}/{k}": float(v) / count for k, v in sums.items()}, prog_bar=prefix == "val"
-        )
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval(batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval(batch)
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        batch = self._prepare(batch)
-        state = self.init_state(batch)
-        if self._predict_step is None:
-            self._predict_step = jaxcore.make_predict_step(
-                self.model_fns, compute_dtype=self._compute_dtype
-            )
-        n = rows(batch)
-        outputs = self._predict_step(state, self._to_jax(batch))
-        return bridge.to_torch(outputs)[:n]
-
-    # -- checkpoints (directories: torchshell.checkpoint.OrbaxCheckpointIO) -----------------
-    def restore_from(self, directory: Path) -> None:
-        """Restores the JAX state from an Orbax directory when the state is (re)built."""
-        if self.state is not None:
-            self.state = restore_state(directory, self.state)
-        else:
-            self._restore_dir = directory
-
-    def _orbax_io(self) -> bool:
-        from torchshell.checkpoint import OrbaxCheckpointIO
-
-        io = getattr(self.trainer.strategy, "checkpoint_io", None)
-        return isinstance(io, OrbaxCheckpointIO)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        _state_io.save_rng(checkpoint)
-        if self.state is not None and not self._orbax_io():  # a plain Lightning file
-            checkpoint[_state_io.STATE_KEY] = _state_io.state_to_tensors(self.state)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        _state_io.load_rng(checkpoint)
-        tensors = checkpoint.get(_state_io.STATE_KEY)
-        if tensors is not None:
-            if self.state is not None:
-                self.state = _state_io.state_from_tensors(tensors, self.state)
-            else:
-                self._restore_tensors = tensors
