@@ -29,6 +29,7 @@ from torchshell import _state_io
 from torchshell._batches import check_fields, name_batch, rows
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
+from torchshell._torch_static import specialise_batch
 from torchshell.checkpoint import restore_state
 
 Batch = Any
@@ -161,7 +162,7 @@ class HandOverPart(L.LightningModule):
         """``(jax batch, one step's torch batch, rows per step)`` for K steps per call."""
         k = self.steps_per_call
         if k == 1:
-            return self._to_jax(batch), batch, self._global_rows(batch)
+            return self._static(self._to_jax(batch), True), batch, self._global_rows(batch)
         n = rows(batch)
         ways = self.mesh.shape[self.data_axis]
         if n % k or (n // k) % ways:
@@ -174,12 +175,17 @@ class HandOverPart(L.LightningModule):
         jbatch = bridge.to_jax(views, self.stacked_sharding, stats=self.transfer_stats)
         return jbatch, {name: t[: n // k] for name, t in batch.items()}, n // k
 
+    def _static(self, jbatch: Any, train: bool) -> Any:
+        """The batch plus the values a traced torch forward reads in Python (a no-op for
+        other models): the step compiles once per distinct value (``compile/recompiles``)."""
+        return specialise_batch(self.model_fns, jbatch, train)
+
     def _batch_check(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         return check_fields(self._fields, batch)
 
     def _sample(self, batch: Any) -> Any:
         """A JAX batch with one step's shapes, to build the state from."""
-        return self._to_jax(batch)
+        return self._static(self._to_jax(batch), True)
 
 
 class EvaluationPart(L.LightningModule):
@@ -196,7 +202,7 @@ class EvaluationPart(L.LightningModule):
                 compute_dtype=self._compute_dtype,
             )
         with self._batch_check(batch):
-            sums = self._eval_step(state, self._to_jax(batch))
+            sums = self._eval_step(state, self._static(self._to_jax(batch), False))
         self._eval_sums = (
             sums
             if self._eval_sums is None
@@ -233,7 +239,7 @@ class EvaluationPart(L.LightningModule):
                 self.model_fns, compute_dtype=self._compute_dtype
             )
         n = rows(batch)
-        outputs = self._predict_step(state, self._to_jax(batch))
+        outputs = self._predict_step(state, self._static(self._to_jax(batch), False))
         return bridge.to_torch(outputs)[:n]
 
 

@@ -613,3 +613,27 @@ def test_coreshell_train_ports_a_lightning_module_by_import_path(tmp_path: Path)
     assert "SGD + StepLR" in proc.stdout and "parity max abs diff" in proc.stdout
     exported = load_file(tmp_path / "run" / "export" / "model.safetensors")
     LitDigits().load_state_dict(exported, strict=True)
+
+
+def test_from_torch_specialises_a_scalar_read_from_the_batch(tmp_path: Path) -> None:
+    """``int(lengths.max().item())`` in a forward: compiled per value under the Trainer."""
+
+    class Crop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            return self.lin(x[:, : int(n.max().item())].sum(1))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 6, 8, generator=g), torch.randint(0, 3, (32,), generator=g).int()
+    n = torch.tensor([6] * 16 + [3] * 16)  # two batches, two lengths
+    jm = JaxModule.from_torch(
+        Crop(), jaxcore.softmax_cross_entropy, optax.sgd(0.1), inputs=("x", "n"),
+        batch_keys=("x", "n", "y"), print_summary=False,
+    )  # fmt: skip
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(jm, DataLoader(TensorDataset(x, n, y), batch_size=16))
+    assert trainer.global_step == 2 and jm._train_step is not None
+    assert jm._train_step.recompiles == 1  # one compile per distinct length
