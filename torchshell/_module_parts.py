@@ -27,6 +27,7 @@ import bridge
 import jaxcore
 from torchshell import _state_io
 from torchshell._batches import check_fields, name_batch, rows
+from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
 from torchshell._torch_static import specialise_batch
@@ -118,8 +119,6 @@ class TrainerFlagsPart(L.LightningModule):
             )
         if self.flags.clip_val is None:
             return self.tx
-        from torchshell.port import torch_clip
-
         return optax.chain(torch_clip(self.flags.clip_val, self.flags.clip_algorithm), self.tx)
 
 

@@ -20,11 +20,31 @@ import jax
 import numpy as np
 import torch
 
-from jaxcore import ModelFns
+import bridge
+from jaxcore import BatchError, ModelFns
 from torchshell import _torch_patterns as patterns
 from torchshell._errors import TorchModelError
 
 Batch = Mapping[str, Any]
+
+
+def _inputs(batch: Mapping[str, Any], keys: Sequence[str]) -> list[Any]:
+    """The forward's positional inputs, read from the batch by key."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise BatchError(
+            f"The torch module's forward reads batch keys {list(keys)}, but the batch has "
+            f"{sorted(batch)}: missing {missing}. Fix: name the fields in the Dataset/collate "
+            "as the model expects, or pass inputs=(...) with the batch's key names."
+        )
+    return [batch[k] for k in keys]
+
+
+def _concrete(v: Any) -> Any:
+    """A concrete JAX array of a batch value (a copy of a torch tensor, range-checked)."""
+    return bridge.as_jax(v) if isinstance(v, torch.Tensor) else jax.numpy.asarray(v)
+
+
 STATIC_KEY = "~torchshell.static"  # sorts after every plain field name
 
 
@@ -44,8 +64,6 @@ class StaticSpec:
 
     def discover(self, concrete: Batch, train: bool) -> None:
         """Finds the host reads of the forward on a concrete batch (see ``host_reads``)."""
-        from torchshell.torch_model import _inputs
-
         module = self.tracer.module
         self.learn(train, self.tracer.host_reads(module, _inputs(concrete, self.keys), train))
 
@@ -78,8 +96,6 @@ class StaticSpec:
         }
 
     def _host_values(self, batch: Batch, train: bool) -> tuple[int, ...]:
-        from torchshell.torch_model import _concrete, _inputs
-
         concrete = {k: _concrete(batch[k]) for k in self.keys if k in batch}
         module = self.tracer.module
         used = self.used[train]
@@ -111,8 +127,6 @@ class StaticSpec:
 
     def specialise(self, batch: Batch, train: bool) -> Batch:
         if train not in self.used:  # not initialised on a concrete batch yet
-            from torchshell.torch_model import _concrete
-
             concrete = {k: _concrete(batch[k]) for k in self.keys if k in batch}
             for mode in (True, False):
                 self.discover(concrete, mode)

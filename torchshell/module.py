@@ -208,7 +208,7 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
             **kwargs: :class:`JaxModule` options (``mesh``, ``sharding``, ``optimizer=`` an
                 optax transform instead of ``configure_optimizers``, ...).
         """
-        from torchshell.port import LightningJaxModule
+        from torchshell.port._module import LightningJaxModule  # (see tests/test_layout.py)
 
         return LightningJaxModule(module, **kwargs)
 

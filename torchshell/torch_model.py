@@ -35,12 +35,19 @@ import jax
 import torch
 from torch import nn
 
-from jaxcore import BatchError, ModelFns
+import bridge
+from jaxcore import ModelFns
 from torchshell import _torch_patterns as patterns
 from torchshell._errors import TorchModelError
 from torchshell._torch_errors import is_lowering_error, lowering_error
 from torchshell._torch_export import params_to_state_dict
-from torchshell._torch_static import STATIC_KEY, StaticSpec, specialise_batch
+from torchshell._torch_static import (
+    STATIC_KEY,
+    StaticSpec,
+    _concrete,
+    _inputs,
+    specialise_batch,
+)
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -55,25 +62,9 @@ __all__ = [
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:
-    """A JAX copy of a torch tensor (never aliasing it: the module may keep training)."""
-    t = t.detach().cpu()
-    if not jax.config.read("jax_enable_x64"):
-        narrow = {torch.int64: torch.int32, torch.float64: torch.float32}
-        t = t.to(narrow.get(t.dtype, t.dtype))
-    if t.dtype == torch.bfloat16:
-        return jax.numpy.array(t.float().numpy(), copy=True).astype(jax.numpy.bfloat16)
-    return jax.numpy.array(t.numpy(), copy=True)
-
-
-def _inputs(batch: Batch, keys: Sequence[str]) -> list[Any]:
-    missing = [k for k in keys if k not in batch]
-    if missing:
-        raise BatchError(
-            f"The torch module's forward reads batch keys {list(keys)}, but the batch has "
-            f"{sorted(batch)}: missing {missing}. Fix: name the fields in the Dataset/collate "
-            "as the model expects, or pass inputs=(...) with the batch's key names."
-        )
-    return [batch[k] for k in keys]
+    """A JAX copy of a torch tensor (never aliasing it: the module may keep training);
+    64-bit values narrow to 32 bits with a range check (:func:`bridge.as_jax`)."""
+    return bridge.as_jax(t, name="a weight or buffer")
 
 
 class _Bound(nn.Module):
@@ -294,10 +285,6 @@ def _spec(v: Any) -> jax.ShapeDtypeStruct:
         dtype = _to_jax(torch.empty(0, dtype=v.dtype)).dtype
         return jax.ShapeDtypeStruct(tuple(v.shape), dtype)
     return jax.ShapeDtypeStruct(v.shape, v.dtype)
-
-
-def _concrete(v: Any) -> Any:
-    return _to_jax(v) if isinstance(v, torch.Tensor) else jax.numpy.asarray(v)
 
 
 def torch_model_fns(

@@ -7,7 +7,7 @@ math (:func:`map_configure_optimizers`), and clips gradients like Lightning
 (:func:`torch_clip`).
 """
 
-from torchshell.port._clip import torch_clip
+from torchshell._clip import torch_clip
 from torchshell.port._module import LightningJaxModule
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._trace import LightningPort, LogSpec

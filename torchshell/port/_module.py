@@ -240,7 +240,7 @@ class LightningJaxModule(JaxModule):
             base = self.tx
         if self.flags.clip_val is None:
             return base
-        from torchshell.port._clip import torch_clip
+        from torchshell._clip import torch_clip
 
         only = None if self.mapped is None else self.mapped.param_names
         return optax.chain(
