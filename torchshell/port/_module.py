@@ -32,14 +32,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import bridge
 import jaxcore
-from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell import _state_io
 from torchshell._errors import ConfigError
 from torchshell.module import JaxModule
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
-from torchshell.port._trace import LightningPort, LogSpec
+from torchshell.port._trace import LightningPort
+from torchshell.port._user import UserEvaluation, UserMetrics
 
 __all__ = ["LightningJaxModule"]
 
@@ -64,20 +64,7 @@ _OPTIMIZER_HOOKS = (
 )
 
 
-@jax.jit
-def _accumulate(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: (
-            acc[k][0] + new[k][0],
-            acc[k][1] + new[k][1],
-            jnp.maximum(acc[k][2], new[k][2]),
-            jnp.minimum(acc[k][3], new[k][3]),
-        )
-        for k in acc
-    }
-
-
-class LightningJaxModule(JaxModule):
+class LightningJaxModule(UserMetrics, UserEvaluation, JaxModule):
     """A :class:`JaxModule` whose model, loss, logging and optimizer are a LightningModule's.
 
     Made by :meth:`JaxModule.from_lightning`; see the module docstring for the semantics.
@@ -407,116 +394,3 @@ class LightningJaxModule(JaxModule):
         if _state_io.STATE_KEY not in checkpoint and checkpoint.get("optimizer_states"):
             self._restore_optim = checkpoint["optimizer_states"][0]
             self._restore_step = int(checkpoint.get("global_step", 0))
-
-    # -- training metrics under the user's names ----------------------------------------------
-    def _train_specs(self) -> dict[str, LogSpec]:
-        return self.port.specs["training_step"]
-
-    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {"train/loss": metrics["loss"]}
-        for name, spec in self._train_specs().items():
-            if spec.on_step:
-                out[f"{name}_step" if spec.on_epoch else name] = metrics[f"log/{name}"]
-        for key in ("nonfinite",):
-            if key in metrics:
-                out[f"train/{key}"] = metrics[key]
-        return out
-
-    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
-        hidden = {
-            (f"{n}_step" if s.on_epoch else n)
-            for n, s in self._train_specs().items()
-            if s.logger is False
-        }
-        shown = {k: v for k, v in logs.items() if k not in hidden}
-        for name, spec in self._train_specs().items():
-            key = f"{name}_step" if spec.on_epoch else name
-            if spec.on_step and key in logs and progress_bar:  # (at the end: epoch values)
-                self.trainer.callback_metrics[name] = torch.tensor(logs[key])
-        super()._emit(shown, step, progress_bar)
-        if progress_bar:
-            for name, spec in self._train_specs().items():
-                key = f"{name}_step" if spec.on_epoch else name
-                if spec.prog_bar and spec.on_step and key in logs:
-                    self.log(name, logs[key], prog_bar=True, logger=False)
-
-    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
-        epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch}
-        if not epoch:
-            return
-        w = jnp.float32(rows_)
-        new = {}
-        for name, spec in epoch.items():
-            v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1]
-            weight = jnp.float32(spec.batch_size) if spec.batch_size else w
-            new[name] = (v * weight, weight, v, v)
-        self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
-
-    def on_train_epoch_end(self) -> None:
-        super().on_train_epoch_end()
-        if self._epoch is None:
-            return
-        acc, self._epoch = jax.device_get(self._epoch), None
-        for name, spec in self._train_specs().items():
-            if name not in acc:
-                continue
-            total, weight, top, bottom = (float(x) for x in acc[name])
-            value = {"mean": total / max(weight, 1e-30), "sum": total, "max": top, "min": bottom}
-            self.log(
-                f"{name}_epoch" if spec.on_step else name,
-                value[spec.reduce_fx],
-                prog_bar=spec.prog_bar,
-                logger=spec.logger,
-                on_step=False,
-                on_epoch=True,
-            )
-            if spec.on_step:
-                self.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
-
-    # -- evaluation: the user's hooks, their self.log through Lightning's ---------------------
-    def _eval_step_for(self, hook: str) -> jaxcore.Step:
-        if hook not in self._eval_steps:
-            dtype = resolve_dtype(self._compute_dtype)
-            dtype = None if dtype == jnp.float32 else dtype
-            port = self.port
-
-            def step(state: Any, batch: Any) -> Any:
-                out, logs, _ = port.call(
-                    hook,
-                    cast_floating(state.params, dtype),
-                    state.model_state,
-                    cast_floating(batch, dtype),
-                    state.rng,
-                    False,
-                )
-                return cast_floating(out, jnp.float32), logs
-
-            self._eval_steps[hook] = jaxcore.Step(step, name=hook)
-        return self._eval_steps[hook]
-
-    def _run_hook(self, hook: str, batch: Any) -> Any:
-        state = self.init_state(batch)
-        out, logs = self._eval_step_for(hook)(state, self._to_jax(batch))
-        n = self._leading(batch)
-        for name, value in jax.device_get(logs).items():
-            spec = self.port.specs[hook][name]
-            self.log(
-                name,
-                float(value),
-                prog_bar=spec.prog_bar,
-                logger=spec.logger,
-                on_step=spec.on_step,
-                on_epoch=spec.on_epoch,
-                reduce_fx=spec.reduce_fx,
-                batch_size=spec.batch_size or n or None,
-            )
-        return out
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        self._run_hook("validation_step", batch)
-
-    def test_step(self, batch: Any, batch_idx: int) -> Any:
-        self._run_hook("test_step", batch)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        return bridge.to_torch(self._run_hook("predict_step", batch))

@@ -1,0 +1,164 @@
+"""The user's ``self.log`` and eval hooks in a :class:`LightningJaxModule` (mixins).
+
+- :class:`UserMetrics`: training values under the user's names and options: on-step ones at
+  the logging cadence (``name_step`` when on-epoch too, as Lightning names them), on-epoch
+  ones as exact means (or sum, max, min) accumulated on device;
+- :class:`UserEvaluation`: ``validation_step``/``test_step``/``predict_step`` traced in eval
+  mode; their ``self.log`` values go through Lightning's own ``self.log`` per batch.
+
+They expect the attributes :class:`~torchshell.port._module.LightningJaxModule` sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import bridge
+import jaxcore
+from jaxcore.precision import cast_floating, resolve_dtype
+from torchshell.port._trace import LogSpec
+
+__all__ = ["UserEvaluation", "UserMetrics"]
+
+
+@jax.jit
+def _accumulate(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (
+            acc[k][0] + new[k][0],
+            acc[k][1] + new[k][1],
+            jnp.maximum(acc[k][2], new[k][2]),
+            jnp.minimum(acc[k][3], new[k][3]),
+        )
+        for k in acc
+    }
+
+
+class UserMetrics:
+    """Training values under the user's names (see the module docstring)."""
+
+    port: Any
+    trainer: Any
+    _epoch: Any
+
+    def _train_specs(self) -> dict[str, LogSpec]:
+        return self.port.specs["training_step"]
+
+    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {"train/loss": metrics["loss"]}
+        for name, spec in self._train_specs().items():
+            if spec.on_step:
+                out[f"{name}_step" if spec.on_epoch else name] = metrics[f"log/{name}"]
+        for key in ("nonfinite",):
+            if key in metrics:
+                out[f"train/{key}"] = metrics[key]
+        return out
+
+    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
+        hidden = {
+            (f"{n}_step" if s.on_epoch else n)
+            for n, s in self._train_specs().items()
+            if s.logger is False
+        }
+        shown = {k: v for k, v in logs.items() if k not in hidden}
+        for name, spec in self._train_specs().items():
+            key = f"{name}_step" if spec.on_epoch else name
+            if spec.on_step and key in logs and progress_bar:  # (at the end: epoch values)
+                self.trainer.callback_metrics[name] = torch.tensor(logs[key])
+        super()._emit(shown, step, progress_bar)
+        if progress_bar:
+            for name, spec in self._train_specs().items():
+                key = f"{name}_step" if spec.on_epoch else name
+                if spec.prog_bar and spec.on_step and key in logs:
+                    self.log(name, logs[key], prog_bar=True, logger=False)
+
+    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
+        epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch}
+        if not epoch:
+            return
+        w = jnp.float32(rows_)
+        new = {}
+        for name, spec in epoch.items():
+            v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1]
+            weight = jnp.float32(spec.batch_size) if spec.batch_size else w
+            new[name] = (v * weight, weight, v, v)
+        self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
+
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        if self._epoch is None:
+            return
+        acc, self._epoch = jax.device_get(self._epoch), None
+        for name, spec in self._train_specs().items():
+            if name not in acc:
+                continue
+            total, weight, top, bottom = (float(x) for x in acc[name])
+            value = {"mean": total / max(weight, 1e-30), "sum": total, "max": top, "min": bottom}
+            self.log(
+                f"{name}_epoch" if spec.on_step else name,
+                value[spec.reduce_fx],
+                prog_bar=spec.prog_bar,
+                logger=spec.logger,
+                on_step=False,
+                on_epoch=True,
+            )
+            if spec.on_step:
+                self.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
+
+
+class UserEvaluation:
+    """The user's eval hooks, traced (see the module docstring)."""
+
+    port: Any
+    _eval_steps: dict[str, jaxcore.Step]
+
+    def _eval_step_for(self, hook: str) -> jaxcore.Step:
+        if hook not in self._eval_steps:
+            dtype = resolve_dtype(self._compute_dtype)
+            dtype = None if dtype == jnp.float32 else dtype
+            port = self.port
+
+            def step(state: Any, batch: Any) -> Any:
+                out, logs, _ = port.call(
+                    hook,
+                    cast_floating(state.params, dtype),
+                    state.model_state,
+                    cast_floating(batch, dtype),
+                    state.rng,
+                    False,
+                )
+                return cast_floating(out, jnp.float32), logs
+
+            self._eval_steps[hook] = jaxcore.Step(step, name=hook)
+        return self._eval_steps[hook]
+
+    def _run_hook(self, hook: str, batch: Any) -> Any:
+        state = self.init_state(batch)
+        out, logs = self._eval_step_for(hook)(state, self._to_jax(batch))
+        n = self._leading(batch)
+        for name, value in jax.device_get(logs).items():
+            spec = self.port.specs[hook][name]
+            self.log(
+                name,
+                float(value),
+                prog_bar=spec.prog_bar,
+                logger=spec.logger,
+                on_step=spec.on_step,
+                on_epoch=spec.on_epoch,
+                reduce_fx=spec.reduce_fx,
+                batch_size=spec.batch_size or n or None,
+            )
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self._run_hook("validation_step", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        self._run_hook("test_step", batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return bridge.to_torch(self._run_hook("predict_step", batch))
