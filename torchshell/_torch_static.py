@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 import bridge
-from jaxcore import BatchError, ModelFns
+from jaxcore import ModelFns
+from jaxcore.model import _inputs as jaxcore_inputs
 from torchshell import _torch_patterns as patterns
 from torchshell._errors import TorchModelError
 
@@ -29,15 +30,8 @@ Batch = Mapping[str, Any]
 
 
 def _inputs(batch: Mapping[str, Any], keys: Sequence[str]) -> list[Any]:
-    """The forward's positional inputs, read from the batch by key."""
-    missing = [k for k in keys if k not in batch]
-    if missing:
-        raise BatchError(
-            f"The torch module's forward reads batch keys {list(keys)}, but the batch has "
-            f"{sorted(batch)}: missing {missing}. Fix: name the fields in the Dataset/collate "
-            "as the model expects, or pass inputs=(...) with the batch's key names."
-        )
-    return [batch[k] for k in keys]
+    """The forward's positional inputs, read from the batch by key (jaxcore's check)."""
+    return jaxcore_inputs(batch, keys)
 
 
 def _concrete(v: Any) -> Any:
