@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,51 @@ _AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_
 __all__ = ["CheckpointPart", "EvaluationPart", "HandOverPart", "TrainerFlagsPart"]
 
 
-class TrainerFlagsPart(L.LightningModule):
+class _Shared(L.LightningModule):
+    """The attributes :class:`~torchshell.module.JaxModule` sets, typed for every part."""
+
+    batch_keys: tuple[str, ...]
+    model_fns: jaxcore.ModelFns
+    loss_fn: Any
+    tx: optax.GradientTransformation | None
+    mesh: Any
+    seed: int
+    data_axis: str
+    steps_per_call: int
+    accum_steps: int
+    compute_dtype: str | None
+    nan_policy: str
+    hlo_dump_dir: Any
+    print_summary: bool
+    shard_fn: Any
+    batch_sharding: Any
+    stacked_sharding: Any
+    window_sharding: Any
+    state: Any
+    torch_module: torch.nn.Module | None
+    transfer_stats: Any
+    flags: TrainerFlags
+    _flag_originals: dict[str, Any] | None
+    _train_step: jaxcore.Step | None
+    _short_steps: dict[int, jaxcore.Step]
+    _eval_step: jaxcore.Step | None
+    _predict_step: jaxcore.Step | None
+    _eval_sums: dict[str, jax.Array] | None
+    _restore_dir: Path | None
+    _restore_tensors: dict[str, torch.Tensor] | None
+    _fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    _quiet: contextlib.ExitStack | None
+    _masks: dict[int, jax.Array]
+    # methods another part (or JaxModule) defines
+    init_state: Callable[[Any], Any]
+    _prepare: Callable[[Any], Any]
+    _batch_check: Callable[[Any], contextlib.AbstractContextManager[None]]
+    _static: Callable[[Any, bool], Any]
+    _to_jax: Callable[..., Any]
+    _one_step_view: Callable[[Any], tuple[Any, Any, int]]
+
+
+class TrainerFlagsPart(_Shared):
     # -- the Trainer's flags (read when Lightning attaches the module) ----------------------
     @property  # type: ignore[override]
     def trainer(self) -> L.Trainer:
@@ -122,7 +167,7 @@ class TrainerFlagsPart(L.LightningModule):
         return optax.chain(torch_clip(self.flags.clip_val, self.flags.clip_algorithm), self.tx)
 
 
-class HandOverPart(L.LightningModule):
+class HandOverPart(_Shared):
     # -- hand-over ---------------------------------------------------------------------------
     def _prepare(self, batch: Any) -> Any:
         """The batch as the model reads it: named fields for the Flax path."""
@@ -187,7 +232,7 @@ class HandOverPart(L.LightningModule):
         return self._static(self._to_jax(batch), True)
 
 
-class EvaluationPart(L.LightningModule):
+class EvaluationPart(_Shared):
     # -- evaluation ----------------------------------------------------------------------
     def _eval(self, batch: Any) -> None:
         batch = self._prepare(batch)
@@ -242,7 +287,7 @@ class EvaluationPart(L.LightningModule):
         return bridge.to_torch(outputs)[:n]
 
 
-class CheckpointPart(L.LightningModule):
+class CheckpointPart(_Shared):
     def on_fit_end(self) -> None:
         pending = self._restore_dir is not None or self._restore_tensors is not None
         if self.state is None and pending:  # resumed at the end: no step left to run

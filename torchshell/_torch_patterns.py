@@ -165,7 +165,7 @@ class TracedScalar:
         return self.reads.decide(self.x != 0)
 
     def _number(self, *_: Any) -> Any:
-        raise jax.errors.ConcretizationTypeError(self.x, "a traced .item() used as a number")
+        raise jax.errors.ConcretizationTypeError(self.x, "a traced .item() used as a number")  # type: ignore[arg-type]
 
     __int__ = __float__ = __index__ = _number
 

@@ -146,7 +146,7 @@ def build(cfg: Config) -> tuple[Any, Any, Any]:
     data_args = {key: v for key, v in cfg.data.items() if key != "recipe"}
     data = instantiate(data_args, seed=cfg.seed, batch_size=rows)
     mesh = jaxcore.make_mesh(dict(cfg.mesh.axes), num_devices=cfg.mesh.num_devices)
-    options = dict(
+    options: dict[str, Any] = dict(
         mesh=mesh,
         inputs=list(cfg.model.inputs),
         seed=cfg.seed,

@@ -196,8 +196,10 @@ class LightningJaxModule(UserMetrics, UserEvaluation, JaxModule):
         if batches is None:  # before the loaders exist: the state's structure only
             per_epoch, total = 1, 1
         elif math.isinf(batches):  # an iterable loader: no epoch length
+            assert trainer is not None  # (batches came from it)
             per_epoch, total = None, max(trainer.max_steps, 1)
         else:
+            assert trainer is not None
             per_epoch = math.ceil(int(batches) / m)
             epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
             total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
@@ -345,7 +347,9 @@ class LightningJaxModule(UserMetrics, UserEvaluation, JaxModule):
             step=jax.device_put(jnp.asarray(step, state.step.dtype), state.step.sharding),
         )
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, **_: Any) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """Takes the user's ``state_dict`` (a plain Lightning checkpoint of the same module)."""
         expected = set(self.port.module.state_dict())
         got = set(state_dict)

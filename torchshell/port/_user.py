@@ -44,6 +44,7 @@ class UserMetrics:
     port: Any
     trainer: Any
     _epoch: Any
+    log: Any
 
     def _train_specs(self) -> dict[str, LogSpec]:
         return self.port.specs["training_step"]
@@ -69,7 +70,7 @@ class UserMetrics:
             key = f"{name}_step" if spec.on_epoch else name
             if spec.on_step and key in logs and progress_bar:  # (at the end: epoch values)
                 self.trainer.callback_metrics[name] = torch.tensor(logs[key])
-        super()._emit(shown, step, progress_bar)
+        super()._emit(shown, step, progress_bar)  # type: ignore[misc]
         if progress_bar:
             for name, spec in self._train_specs().items():
                 key = f"{name}_step" if spec.on_epoch else name
@@ -89,7 +90,7 @@ class UserMetrics:
         self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
 
     def on_train_epoch_end(self) -> None:
-        super().on_train_epoch_end()
+        super().on_train_epoch_end()  # type: ignore[misc]
         if self._epoch is None:
             return
         acc, self._epoch = jax.device_get(self._epoch), None
@@ -115,6 +116,11 @@ class UserEvaluation:
 
     port: Any
     _eval_steps: dict[str, jaxcore.Step]
+    log: Any
+    _compute_dtype: Any
+    init_state: Any
+    _to_jax: Any
+    _leading: Any
 
     def _eval_step_for(self, hook: str) -> jaxcore.Step:
         if hook not in self._eval_steps:
