@@ -94,16 +94,8 @@ def _cycle(graph: dict[str, set[str]], package: str) -> list[str] | None:
     return None
 
 
-# The one cycle allowed: a factory classmethod that builds a subclass defined elsewhere
-# (JaxModule.from_lightning -> LightningJaxModule(JaxModule)), imported inside the method.
-# Importing torchshell.module never imports the port; the port imports the module.
-LAZY_FACTORIES = {("torchshell.module", "torchshell.port._module")}
-
-
 def test_no_import_cycle_inside_a_package():
     graph = _graph()
-    for importer, factory in LAZY_FACTORIES:
-        graph[importer].discard(factory)
     for package in PACKAGES:
         assert _cycle(graph, package) is None, f"{package}: " + " -> ".join(
             _cycle(graph, package) or []

@@ -85,6 +85,7 @@ class _Shared(L.LightningModule):
     _static: Callable[[Any, bool], Any]
     _to_jax: Callable[..., Any]
     _one_step_view: Callable[[Any], tuple[Any, Any, int]]
+    torch_state_dict: Callable[..., dict[str, torch.Tensor]]
 
 
 class TrainerFlagsPart(_Shared):
@@ -288,6 +289,24 @@ class EvaluationPart(_Shared):
 
 
 class CheckpointPart(_Shared):
+    def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
+
+        For a Flax model the params and model state (e.g. ``batch_stats``) go through
+        :func:`bridge.export_state_dict`; for :meth:`from_torch` modules they already are one.
+        """
+        if self.state is None:
+            raise ConfigError("No trained state yet: run trainer.fit first.")
+        if self.torch_module is not None:
+            from torchshell.torch_model import params_to_state_dict
+
+            return params_to_state_dict(
+                self.state.params, self.state.model_state, self.torch_module
+            )
+        return bridge.export_state_dict(
+            {"params": self.state.params, **self.state.model_state}, twin
+        )
+
     def on_fit_end(self) -> None:
         pending = self._restore_dir is not None or self._restore_tensors is not None
         if self.state is None and pending:  # resumed at the end: no step left to run

@@ -30,6 +30,7 @@ from torchshell._module_parts import (
 )
 from torchshell._train_log import TrainLog, find_lrs, fresh
 from torchshell.checkpoint import restore_state
+from torchshell.port._module import LightningParts
 from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -208,27 +209,7 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
             **kwargs: :class:`JaxModule` options (``mesh``, ``sharding``, ``optimizer=`` an
                 optax transform instead of ``configure_optimizers``, ...).
         """
-        from torchshell.port._module import LightningJaxModule  # (see tests/test_layout.py)
-
         return LightningJaxModule(module, **kwargs)
-
-    def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
-
-        For a Flax model the params and model state (e.g. ``batch_stats``) go through
-        :func:`bridge.export_state_dict`; for :meth:`from_torch` modules they already are one.
-        """
-        if self.state is None:
-            raise ConfigError("No trained state yet: run trainer.fit first.")
-        if self.torch_module is not None:
-            from torchshell.torch_model import params_to_state_dict
-
-            return params_to_state_dict(
-                self.state.params, self.state.model_state, self.torch_module
-            )
-        return bridge.export_state_dict(
-            {"params": self.state.params, **self.state.model_state}, twin
-        )
 
     def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
@@ -395,3 +376,15 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
         self.train_log.finish()
         if self.state is not None and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
+
+
+class LightningJaxModule(LightningParts, JaxModule):
+    """A :class:`JaxModule` whose model, loss, logging and optimizer are a LightningModule's.
+
+    Made by :meth:`JaxModule.from_lightning`; the semantics: :mod:`torchshell.port._module`.
+
+    Args:
+        module: the user's ``LightningModule``.
+        optimizer: an optax transform to use instead of ``configure_optimizers``.
+        **kwargs: :class:`JaxModule` options.
+    """

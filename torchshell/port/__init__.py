@@ -7,8 +7,9 @@ math (:func:`map_configure_optimizers`), and clips gradients like Lightning
 (:func:`torch_clip`).
 """
 
+from typing import Any
+
 from torchshell._clip import torch_clip
-from torchshell.port._module import LightningJaxModule
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._trace import LightningPort, LogSpec
 
@@ -20,3 +21,13 @@ __all__ = [
     "map_configure_optimizers",
     "torch_clip",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # LightningJaxModule is built in torchshell.module (from this package's part), which
+    # imports this package: loaded on first use, like torchshell's own lazy names.
+    if name == "LightningJaxModule":
+        import importlib
+
+        return importlib.import_module("torchshell.module").LightningJaxModule
+    raise AttributeError(f"module 'torchshell.port' has no attribute {name!r}")
