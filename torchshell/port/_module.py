@@ -1,4 +1,4 @@
-"""``LightningJaxModule``: the user's ``LightningModule``, unchanged, trained as a JAX step.
+"""``LightningJaxModule``'s part: the user's ``LightningModule``, unchanged, trained as a JAX step.
 
 What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 
@@ -34,14 +34,14 @@ import bridge
 import jaxcore
 from torchshell import _state_io
 from torchshell._errors import ConfigError
-from torchshell.module import JaxModule
+from torchshell._module_parts import _Shared
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
 from torchshell.port._trace import LightningPort
 from torchshell.port._user import UserEvaluation, UserMetrics
 
-__all__ = ["LightningJaxModule"]
+__all__ = ["LightningParts"]
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 _DATA_HOOKS = (
@@ -64,10 +64,11 @@ _OPTIMIZER_HOOKS = (
 )
 
 
-class LightningJaxModule(UserMetrics, UserEvaluation, JaxModule):
-    """A :class:`JaxModule` whose model, loss, logging and optimizer are a LightningModule's.
+class LightningParts(UserMetrics, UserEvaluation, _Shared):
+    """What :class:`~torchshell.module.LightningJaxModule` adds to a ``JaxModule``.
 
-    Made by :meth:`JaxModule.from_lightning`; see the module docstring for the semantics.
+    A part, not a ``JaxModule`` itself (``torchshell.module`` builds the class from it, so
+    the port never imports the module that uses it); see the module docstring.
 
     Args:
         module: the user's ``LightningModule``.
