@@ -247,10 +247,12 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
         if self.mapped is None or not self.trainer.optimizers:
             return
-        lrs = self.mapped.lrs(self.trainer.global_step)
-        optimizer = self.trainer.optimizers[0]
-        for name, index in zip(self.mapped.lr_names, self.mapped.lr_group, strict=True):
-            optimizer.param_groups[index]["lr"] = float(lrs[name])
+        step, optimizer = self.trainer.global_step, self.trainer.optimizers[0]
+        for index in self.mapped.lr_group:  # read on the host: no device work per step
+            group = self.mapped.groups[index]
+            table = group.tables.get("lr")
+            lr = group.const["lr"] if table is None else table[min(step, len(table) - 1)]
+            optimizer.param_groups[index]["lr"] = float(lr)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
