@@ -3,8 +3,10 @@ commit thread; one save in flight per checkpoint directory in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,17 @@ def device_copy(tree: Any) -> Any:
 class Pending:
     """One save in flight: Orbax writes the state; this thread commits when it is done."""
 
-    def __init__(self, tmp: Path, final: Path, ckptr: ocp.StandardCheckpointer, snapshot: Any):
+    def __init__(
+        self,
+        tmp: Path,
+        final: Path,
+        ckptr: ocp.StandardCheckpointer,
+        snapshot: Any,
+        extra: Callable[[Path, Any], None] | None = None,
+    ):
         self.tmp, self.final, self.ckptr = tmp, final, ckptr
         self.snapshot = snapshot  # the copy Orbax reads, alive until it is written
+        self.extra = extra  # writes more files from the copy (the torch export), here
         self.error: BaseException | None = None
         self.removals: list[Path] = []  # asked for meanwhile: done once this one is committed
         self._lock = threading.Lock()
@@ -65,10 +75,14 @@ class Pending:
 
     def _run(self) -> None:
         try:
+            if self.extra is not None:  # meanwhile Orbax writes the state
+                self.extra(self.tmp, self.snapshot)
             self.ckptr.wait_until_finished()
             files.commit(self.tmp, self.final)
         except BaseException as err:  # raised to the writer at its next save or teardown
             self.error = err
+            with contextlib.suppress(Exception):  # Orbax may still write: wait before the
+                self.ckptr.wait_until_finished()  # removal below (the first error is kept)
         finally:
             self.snapshot = None
             if self.tmp.exists():

@@ -6,13 +6,14 @@ Each checkpoint is a directory written atomically (a temporary directory, then a
         state/            Orbax: the whole jaxcore TrainState
         lightning.pt      Lightning's loop, callback and DataLoader state; RNG states
                           (tensors and plain types only: loaded with weights_only=True)
-        export/model.safetensors, config.yaml   written by an ``on_save`` hook, if any
+        export/model.safetensors, config.yaml   written by an ``on_save``/``export`` hook
         manifest.json     sha256 of every file above, written last
 
 Saves are asynchronous (one JAX process): the state is first copied on its devices (the
 next train step donates the state's buffers, so the write must own its copy), Orbax writes
-the copy in the background, and a commit thread writes the manifest and renames the
-directory when Orbax is done; the step loop goes on meanwhile. The next save, a removal of
+the copy in the background, and a commit thread runs the ``export`` hook on the same copy
+(the torch weights), then writes the manifest and renames the directory when Orbax is done;
+the step loop goes on meanwhile. The next save, a removal of
 the checkpoint being written, the end of fit and every reader in this process (``verify``,
 ``latest_checkpoint``) wait for it. A kill at any point leaves ``.tmp-*``/``.old-*``
 directories no reader picks; the next run's start sweeps them.
@@ -183,8 +184,12 @@ class OrbaxCheckpointIO(CheckpointIO):
     Args:
         get_state: returns the current JAX state to save.
         set_restore: receives the Orbax directory to restore the JAX state from.
-        on_save: called with the temporary directory before commit, to add files
-            (e.g. the exported torch weights and the config).
+        on_save: called on the training thread with the temporary directory before
+            commit, to add files.
+        export: called with the temporary directory and the state saved, to add files
+            derived from the state (the torch weights): in the commit thread, from the
+            device copy Orbax writes, when saving asynchronously; on the training thread
+            with the live state (every process: it may gather) when synchronously.
         async_save: write the state in the background (one JAX process; with several the
             saves are synchronous).
     """
@@ -195,11 +200,13 @@ class OrbaxCheckpointIO(CheckpointIO):
         set_restore: Callable[[Path], None],
         on_save: Callable[[Path], None] | None = None,
         *,
+        export: Callable[[Path, Any], None] | None = None,
         async_save: bool = True,
     ) -> None:
         self.get_state = get_state
         self.set_restore = set_restore
         self.on_save = on_save
+        self.export = export
         self.async_save = async_save
         self._ckptr: ocp.StandardCheckpointer | None = None
         self._pending: Pending | None = None
@@ -210,11 +217,12 @@ class OrbaxCheckpointIO(CheckpointIO):
         """Writes the checkpoint directory; with several JAX processes every one calls it.
 
         Asynchronously (one process): returns once the state is copied and Orbax's write is
-        started, ``on_save`` has run and ``lightning.pt`` is written; the commit follows in
-        the background. Synchronously (several processes): Orbax writes the (sharded) state
-        from every process into one directory, so the temporary directory has the same name
-        everywhere; ``on_save`` runs on every process too (it may gather sharded params, a
-        collective) and writes files on process 0 only. Process 0 alone writes
+        started, ``on_save`` has run and ``lightning.pt`` is written; ``export`` and the
+        commit follow in the background. Synchronously (several processes): Orbax writes
+        the (sharded) state from every process into one directory, so the temporary
+        directory has the same name everywhere; ``on_save`` and ``export`` run on every
+        process too (they may gather sharded params, a collective) and write files on
+        process 0 only. Process 0 alone writes
         ``lightning.pt`` and the manifest and renames the directory, between barriers.
         """
         final = Path(path)
@@ -273,7 +281,7 @@ class OrbaxCheckpointIO(CheckpointIO):
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._pending = Pending(tmp, final, self._ckptr, snapshot)
+        self._pending = Pending(tmp, final, self._ckptr, snapshot, self.export)
         self._pending.start()
 
     def _save(self, checkpoint: dict[str, Any], final: Path) -> None:
@@ -287,9 +295,12 @@ class OrbaxCheckpointIO(CheckpointIO):
                 shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
                 tmp.mkdir()
             barrier(f"coreshell-ckpt-open-{final.name}")
-            save_state(tmp / "state", self.get_state())
+            state = self.get_state()
+            save_state(tmp / "state", state)
             if self.on_save is not None:
                 self.on_save(tmp)
+            if self.export is not None:
+                self.export(tmp, state)
             barrier(f"coreshell-ckpt-written-{final.name}")
             if main:
                 torch.save(checkpoint, tmp / "lightning.pt")

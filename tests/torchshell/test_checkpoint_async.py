@@ -4,6 +4,7 @@ read, the commit is still atomic, removals and errors wait for it, leftovers are
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,41 @@ def test_leftovers_of_killed_saves_and_removals_are_swept_at_the_next_start(tmp_
     assert verify(intact) is None
     files.sweep(tmp_path, log=messages.append)
     assert messages == []  # nothing left to sweep
+
+
+def test_the_export_hook_runs_off_the_training_thread_on_the_saved_copy(tmp_path: Path):
+    """The torch export of a checkpoint is written in the commit thread from the device copy
+    being saved: the training thread returns before it, and it sees the state at the save,
+    not the state the loop donated meanwhile."""
+    run = _Run()
+    expected_w, expected_n = run.host()
+    seen: dict[str, Any] = {}
+    started = threading.Event()
+
+    def export(directory: Path, state: Any) -> None:
+        started.set()
+        seen["thread"] = threading.current_thread()
+        (directory / "export").mkdir()
+        np.save(directory / "export" / "w.npy", np.asarray(state["w"]))
+        seen["n"] = int(state["n"])
+
+    run.io = OrbaxCheckpointIO(lambda: run.state, lambda _: None, export=export)
+    path = tmp_path / "epoch=0-step=1.ckpt"
+    run.io.save_checkpoint({"step": 1}, path)
+    for _ in range(5):  # the loop donates the live state meanwhile
+        run.state = _step(run.state)
+    run.io.wait_until_finished()
+    assert started.is_set() and seen["thread"] is not threading.main_thread()
+    assert seen["n"] == expected_n
+    assert np.array_equal(np.load(path / "export" / "w.npy"), expected_w)
+    assert verify(path) is None  # the export's file is in the manifest
+    assert "export/w.npy" in (path / files.MANIFEST).read_text()
+
+    def broken(directory: Path, state: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run.io = OrbaxCheckpointIO(lambda: run.state, lambda _: None, export=broken)
+    run.io.save_checkpoint({"step": 2}, tmp_path / "epoch=0-step=2.ckpt")
+    with pytest.raises(CheckpointError, match=r"step=2.*No space left"):
+        run.io.teardown()  # the end of fit raises the background failure
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing partial

@@ -104,6 +104,8 @@ class TrackingConfig:
     run_name: str | None = None
     register_as: str | None = None
     system_metrics_interval_s: float | None = 10.0
+    prometheus_port: int | None = None  # a /metrics endpoint on process 0 (0: a free port)
+    prometheus_host: str = "127.0.0.1"
 
 
 @dataclass

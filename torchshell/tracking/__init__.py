@@ -6,6 +6,8 @@
 - :func:`log_confusion_matrix`, :func:`log_torch_model`: the run page's plot and the torch
   twin as a servable MLflow PyTorch model.
 - :class:`SystemMetrics`: CPU/memory/disk/network (and GPU) samples as ``system/*`` metrics.
+- :class:`PrometheusMetrics`: an opt-in ``/metrics`` endpoint (step, loss, samples/s,
+  data wait, recompiles, seconds since the last checkpoint) for Prometheus.
 - :func:`replay`: sends an ``undelivered.jsonl`` left by a run whose store was down.
 
 Example:
@@ -27,6 +29,7 @@ from torchshell.tracking._artifacts import (
     log_torch_model,
 )
 from torchshell.tracking._logger import AsyncMLflowLogger, flatten
+from torchshell.tracking._prometheus import PrometheusMetrics
 from torchshell.tracking._replay import replay
 from torchshell.tracking._report import TrackingReport
 from torchshell.tracking._system import SystemMetrics
@@ -34,6 +37,7 @@ from torchshell.tracking._tags import run_tags
 
 __all__ = [
     "AsyncMLflowLogger",
+    "PrometheusMetrics",
     "SystemMetrics",
     "TrackingError",
     "TrackingReport",
