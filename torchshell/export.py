@@ -92,7 +92,7 @@ def max_abs_diff(jax_outputs: Any, torch_outputs: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- writers
 
 
-def _example_args(twin: torch.nn.Module, batch: int) -> tuple[torch.Tensor, ...]:
+def _example_args(twin: torch.nn.Module, batch: int, *more: int) -> tuple[torch.Tensor, ...]:
     make = getattr(twin, "example_input", None)
     if not callable(make):
         raise ConfigError(
@@ -100,8 +100,63 @@ def _example_args(twin: torch.nn.Module, batch: int) -> tuple[torch.Tensor, ...]
             "no sample input. Fix: add `def example_input(self, batch=2)` returning a sample "
             "tensor (or tuple) to the twin class."
         )
-    sample = make(batch)
+    sample = make(batch, *more)
     return tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+
+
+def dynamic_shapes(module: torch.nn.Module, args: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """``torch.export`` dynamic shapes of ``module``'s inputs: its ``dynamic_axes``, else batch.
+
+    A module declares ``dynamic_axes`` as one ``{axis: name}`` dict per input (inputs sharing
+    a name share the dimension) and optionally ``dim_min = {name: smallest size}``; without
+    them only axis 0 of every input is dynamic. Every axis is declared explicitly:
+    ``Dim.AUTO`` is dropped when the example has size 1 there (FACTS.md).
+
+    Example:
+        >>> from torchshell.twins.spoken_digits import SpokenDigitsEncoder
+        >>> twin = SpokenDigitsEncoder(width=16, depth=1, heads=2)
+        >>> [sorted(d) for d in dynamic_shapes(twin, twin.example_input())]
+        [[0, 1], [0, 1]]
+    """
+    axes = getattr(module, "dynamic_axes", None) or tuple({0: "batch"} for _ in args)
+    if len(axes) != len(args):
+        raise ConfigError(
+            f"{type(module).__name__}.dynamic_axes names {len(axes)} inputs, its example has "
+            f"{len(args)}. Fix: one {{axis: name}} dict per input of forward()."
+        )
+    lowest = {"batch": 1, **getattr(module, "dim_min", {})}
+    dims: dict[str, Any] = {}
+    for spec in axes:
+        for name in spec.values():
+            dims.setdefault(name, torch.export.Dim(name, min=lowest.get(name, 2)))
+    return tuple({axis: dims[name] for axis, name in spec.items()} for spec in axes)
+
+
+def export_program(module: torch.nn.Module, args: Sequence[torch.Tensor]) -> Any:
+    """``torch.export.export`` of ``module`` on ``args`` with its :func:`dynamic_shapes`.
+
+    Non-strict export; torch's own notes on the symbolic shapes it reasons about (log lines
+    at WARNING, none of them the user's) are kept below ERROR for the call only.
+
+    Returns:
+        The ``torch.export.ExportedProgram``; ``.module()`` runs any batch size and length.
+
+    Example:
+        >>> from torchshell.twins.spoken_digits import SpokenDigitsEncoder
+        >>> twin = SpokenDigitsEncoder(width=16, depth=1, heads=2).eval()
+        >>> program = export_program(twin, twin.example_input())
+        >>> program.module()(*twin.example_input(1, 30)).shape
+        torch.Size([1, 10])
+    """
+    import logging
+
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    try:
+        return torch.export.export(module, tuple(args), dynamic_shapes=dynamic_shapes(module, args))
+    finally:
+        shapes.setLevel(level)
 
 
 def _flat_outputs(out: Any) -> list[np.ndarray]:
@@ -126,19 +181,21 @@ def write_torch(state_dict: Mapping[str, torch.Tensor], out: Path) -> Path:
 
 
 def write_onnx(twin: torch.nn.Module, out: Path, *, batch: int = 2) -> float | None:
-    """``torch.onnx.export`` of the twin with a dynamic batch axis, then onnxruntime parity.
+    """``torch.onnx.export`` of the twin with its dynamic axes, then onnxruntime parity.
+
+    The axes are the twin's ``dynamic_axes`` (batch and time for the speech twin; the batch
+    alone by default, see :func:`dynamic_shapes`). The check runs batch sizes 1 and
+    ``batch + 3`` and, for a twin with ``check_lengths``, each of those lengths.
 
     Returns:
-        The max abs difference between onnxruntime and torch on a fresh sample of another
-        batch size, or None when onnxruntime is not installed.
+        The max abs difference between onnxruntime and torch on those fresh samples, or None
+        when onnxruntime is not installed.
     """
     args = _example_args(twin, batch)
     big = sum(p.numel() * p.element_size() for p in twin.state_dict().values()) > 1 << 30
     # torch.export first (non-strict): the exporter's own dynamo trace specializes batch 1
     # away and refuses a dynamic batch for the spoken-digits twin.
-    program = torch.export.export(
-        twin, args, dynamic_shapes=tuple({0: torch.export.Dim("batch")} for _ in args)
-    )
+    program = export_program(twin, args)
     try:
         torch.onnx.export(
             program,
@@ -158,8 +215,10 @@ def write_onnx(twin: torch.nn.Module, out: Path, *, batch: int = 2) -> float | N
         return None
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     diff = 0.0
-    for rows in (1, batch + 3):  # other batch sizes: the axis must be dynamic, 1 included
-        check = _example_args(twin, rows)
+    lengths = tuple(getattr(twin, "check_lengths", ()))  # a dynamic time axis: 3 lengths
+    cases = [(rows, *more) for rows in (1, batch + 3) for more in ([(n,) for n in lengths] or [()])]
+    for rows, *more in cases:  # other batch sizes (the axis must be dynamic, 1 included)
+        check = _example_args(twin, rows, *more)
         feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), check, strict=True)}
         got = session.run(None, feeds)
         with torch.no_grad():

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from torchshell.app import quiet
+from torchshell.app.served import log_waveform_model
 from torchshell.export import export_module, max_abs_diff
 from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
 
@@ -74,8 +75,11 @@ def publish(
 
     Logged: ``export/model.safetensors``, ``export/parity_max_abs_diff`` (JAX vs torch on a
     test batch), the model summary, the train step's HLO, a confusion matrix PNG (when the
-    batches have labels), a sample spectrogram (audio recipes), and the torch model as an
-    MLflow PyTorch model with signature and input example (optionally registered).
+    batches have labels), a sample spectrogram (audio recipes), and the deployable model
+    with signature and input example (optionally registered): a recipe whose ``serving()``
+    module takes ``waveform`` and ``lengths`` is logged as a pyfunc over its pt2 program with
+    dynamic batch and time axes (:mod:`torchshell.app.served`), any other as an MLflow
+    PyTorch model.
 
     Returns:
         ``{"export": path, "parity_max_abs_diff": float, "test_accuracy": float | None}``.
@@ -99,7 +103,10 @@ def publish(
     if "features" in batch and batch["features"].dim() == 3:
         png = spectrogram_png(batch["features"][0].numpy(), logger.stage_path("spectrogram.png"))
         logger.log_artifact(png, "plots")
-    serve, example = servable(twin)
+    serve: Any = getattr(twin, "serving", twin.eval)()
     with quiet.torch_export_notes():
-        log_torch_model(logger, serve, example, register_as=register_as)
+        if len(getattr(serve, "input_names", ())) > 1:  # waveform + lengths: any clip length
+            log_waveform_model(logger, serve, register_as=register_as)
+        else:
+            log_torch_model(logger, *servable(twin), register_as=register_as)
     return {"export": export_path, "parity_max_abs_diff": parity, "test_accuracy": accuracy}

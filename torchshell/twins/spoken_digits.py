@@ -9,6 +9,7 @@ exported model takes a raw waveform and returns digit logits.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -82,6 +83,12 @@ class SpokenDigitsEncoder(nn.Module):
         torch.Size([2, 10])
     """
 
+    # torch.export / ONNX: batch and time are dynamic (the two inputs share the time axis);
+    # the stride-2 stem needs 3 frames; the ONNX check runs 0.2 s, 0.64 s and 5 s of frames
+    dynamic_axes = ({0: "batch", 1: "frames"}, {0: "batch", 1: "frames"})
+    dim_min: ClassVar[dict[str, int]] = {"frames": 3}
+    check_lengths = (21, 64, 501)
+
     def __init__(
         self,
         n_mels: int = 40,
@@ -111,7 +118,10 @@ class SpokenDigitsEncoder(nn.Module):
         x = (features * mask[..., None].to(features.dtype)).transpose(1, 2)  # [B, n_mels, T]
         x = F.gelu(self.stem[0](x)) * mask[:, None, :].to(x.dtype)  # padded frames stay zero
         x = F.gelu(self.stem[1](x)).transpose(1, 2)  # [B, T/2, width]
-        mask = mask[:, ::2]
+        # mask[:, ::2], as a stride-2 conv picking frame 2t: its length is the stem's,
+        # symbolically too (torch.export keeps the time axis dynamic)
+        pick = torch.tensor([[[0.0, 1.0, 0.0]]], dtype=x.dtype)
+        mask = F.conv1d(mask[:, None, :].to(x.dtype), pick, stride=2, padding=1)[:, 0] > 0.5
         x = x + sinusoids(x.shape[1], self.width).to(x.dtype)
         for block in self.blocks:
             x = block(x, mask)
@@ -134,7 +144,13 @@ class SpokenDigitsEncoder(nn.Module):
 
 
 class SpokenDigitsServing(nn.Module):
-    """Raw waveform in, digit logits out: the torchaudio front-end, then the twin.
+    """Raw waveforms of any length in, digit logits out: the torchaudio front-end, then the twin.
+
+    A batch holds clips of different lengths padded to the longest (``waveform[B, N]``) and
+    their true lengths (``lengths[B]``, in samples). Each clip's features are exactly what
+    :class:`~torchshell.data.spoken_digits.LogMel` gives that clip alone (the reflect padding
+    at each clip's own end, the peak normalisation over its own frames), so padding never
+    changes a clip's logits; both axes stay dynamic under ``torch.export``.
 
     Args:
         encoder: the trained twin.
@@ -142,14 +158,21 @@ class SpokenDigitsServing(nn.Module):
 
     Example:
         >>> serving = SpokenDigitsServing(SpokenDigitsEncoder(width=32, depth=1, heads=2)).eval()
-        >>> serving(serving.example_input()).shape
-        torch.Size([1, 10])
+        >>> waveform, lengths = serving.example_input()
+        >>> waveform.shape, lengths.tolist(), serving(waveform, lengths).shape
+        (torch.Size([2, 8000]), [8000, 4800], torch.Size([2, 10]))
     """
+
+    input_names = ("waveform", "lengths")
+    dynamic_axes = ({0: "batch", 1: "samples"}, {0: "batch"})
+    # a clip must be longer than the reflect padding (n_fft / 2)
+    dim_min: ClassVar[dict[str, int]] = {"samples": 401}
 
     def __init__(self, encoder: SpokenDigitsEncoder, sample_rate: int = SAMPLE_RATE) -> None:
         super().__init__()
         import torchaudio
 
+        self.sample_rate = sample_rate
         self.resample = (
             torchaudio.transforms.Resample(sample_rate, SAMPLE_RATE)
             if sample_rate != SAMPLE_RATE
@@ -158,15 +181,54 @@ class SpokenDigitsServing(nn.Module):
         self.front_end = LogMel(n_mels=encoder.n_mels)
         self.encoder = encoder
 
-    def forward(self, waveform: torch.Tensor) -> torch.Tensor:
-        # waveform: float32 [B, N] (or [N]) mono -> logits [B, num_classes]
+    def features(
+        self, waveform: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features[B, T, n_mels], frame_mask[B, T])`` of a padded batch of 16 kHz clips."""
+        import torchaudio
+
+        mel = self.front_end.mel
+        spec = mel.spectrogram
+        pad = spec.n_fft // 2
+        # every clip reflect-padded at its own ends (torch.stft's center=True, clip by clip)
+        idx = (torch.arange(waveform.shape[1] + 2 * pad, device=waveform.device) - pad).abs()
+        last = (lengths.to(torch.int64) - 1)[:, None]
+        idx = torch.where(idx[None] > last, 2 * last - idx[None], idx[None])
+        padded = waveform.gather(1, torch.minimum(idx.clamp(min=0), last))
+        power = torchaudio.functional.spectrogram(
+            padded,
+            pad=0,
+            window=spec.window,
+            n_fft=spec.n_fft,
+            hop_length=spec.hop_length,
+            win_length=spec.win_length,
+            power=spec.power,
+            normalized=spec.normalized,
+            center=False,
+        )
+        x = torch.log10(torch.clamp(mel.mel_scale(power), min=1e-10))  # [B, n_mels, T]
+        frames = torch.arange(x.shape[-1], device=x.device)
+        frame_mask = frames[None] <= (lengths.to(torch.int64) // spec.hop_length)[:, None]
+        peak = x.masked_fill(~frame_mask[:, None, :], -math.inf).amax(dim=(-2, -1), keepdim=True)
+        x = torch.maximum(x, peak - 8.0)
+        features = ((x + 4.0) / 4.0).transpose(-1, -2) * frame_mask[..., None].to(x.dtype)
+        return features, frame_mask
+
+    def forward(self, waveform: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        # waveform: float32 [B, N] (or [N]) mono, lengths: int [B] samples -> logits [B, C]
         if waveform.dim() == 1:
             waveform = waveform[None]
-        features = self.front_end(self.resample(waveform))
-        frame_mask = torch.ones(features.shape[:2], dtype=torch.bool)
-        return self.encoder(features, frame_mask)
+        if lengths is None:
+            lengths = torch.full(waveform.shape[:1], waveform.shape[1], dtype=torch.int64)
+        if self.sample_rate != SAMPLE_RATE:
+            waveform = self.resample(waveform)
+            lengths = torch.ceil(lengths * (SAMPLE_RATE / self.sample_rate)).to(torch.int64)
+        return self.encoder(*self.features(waveform, lengths))
 
-    def example_input(self) -> torch.Tensor:
-        """A sample waveform: 0.5 s of float32 audio at 16 kHz, shape ``[1, 8000]``."""
+    def example_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sample batch of two clips of 0.5 s and 0.3 s at 16 kHz: ``(waveform[2, 8000],
+        lengths[2])``; the second is zero-padded."""
         t = torch.arange(8000, dtype=torch.float32) / SAMPLE_RATE
-        return (0.1 * torch.sin(2 * math.pi * 220.0 * t))[None]
+        wave = (0.1 * torch.sin(2 * math.pi * 220.0 * t))[None].repeat(2, 1)
+        wave[1, 4800:] = 0.0
+        return wave, torch.tensor([8000, 4800], dtype=torch.int64)

@@ -1,0 +1,146 @@
+"""The MLflow model of a waveform recipe: the serving module's pt2 program behind a pyfunc.
+
+``mlflow.pytorch`` takes one array (``Tensor('float32', (-1, 8000))`` for the speech recipe:
+every clip the example's length). A batch of clips of different lengths needs two named
+inputs, so the speech model is logged as a pyfunc from code
+(:mod:`torchshell.app.waveform_model`) holding ``torch.export``'s program with dynamic batch
+and sample axes. The request format is documented there and in ``docs/serving.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchshell.export import export_program
+
+MIN_SECONDS, MAX_SECONDS = 0.2, 5.0
+CODE = Path(__file__).with_name("waveform_model.py")
+
+
+def serving_spec(serving: torch.nn.Module, num_classes: int) -> dict[str, Any]:
+    """What the pyfunc validates requests against (written as ``serving.json``).
+
+    Example:
+        >>> serving_spec(torch.nn.Identity(), 10)["max_samples"]
+        80000
+    """
+    from torchshell.data.spoken_digits import SAMPLE_RATE
+
+    rate = int(getattr(serving, "sample_rate", SAMPLE_RATE))
+    return {
+        "sample_rate": rate,
+        "min_samples": round(MIN_SECONDS * rate),
+        "max_samples": round(MAX_SECONDS * rate),
+        "num_classes": num_classes,
+        "inputs": list(getattr(serving, "input_names", ("waveform", "lengths"))),
+    }
+
+
+def signature(num_classes: int) -> Any:
+    """The model's signature: variable batch and time (``-1``) on every tensor.
+
+    Example:
+        >>> signature(10).inputs.to_dict()[0]["tensor-spec"]["shape"]
+        (-1, -1)
+    """
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    f32, i64 = np.dtype(np.float32), np.dtype(np.int64)
+    return ModelSignature(
+        inputs=Schema([TensorSpec(f32, (-1, -1), "waveform"), TensorSpec(i64, (-1,), "lengths")]),
+        outputs=Schema(
+            [
+                TensorSpec(f32, (-1, num_classes), "logits"),
+                TensorSpec(f32, (-1, num_classes), "probabilities"),
+                TensorSpec(i64, (-1,), "label"),
+            ]
+        ),
+    )
+
+
+def save_waveform_model(serving: torch.nn.Module, path: str | Path) -> dict[str, Any]:
+    """Writes the pyfunc model directory (``MLmodel``, the pt2 program, ``serving.json``).
+
+    Args:
+        serving: the waveform module (``forward(waveform[B, N], lengths[B]) -> logits``)
+            with ``example_input()`` and ``dynamic_axes``.
+        path: a directory that does not exist yet.
+
+    Returns:
+        The keyword arguments ``mlflow.pyfunc.log_model`` takes for the same model.
+    """
+    import mlflow
+
+    kwargs = waveform_model_kwargs(serving, Path(tempfile.mkdtemp(prefix="coreshell-pt2-")))
+    mlflow.pyfunc.save_model(str(path), **kwargs)
+    return kwargs
+
+
+def waveform_model_kwargs(serving: torch.nn.Module, work: Path) -> dict[str, Any]:
+    """Exports the program into ``work`` and returns pyfunc ``log_model``/``save_model`` kwargs.
+
+    Example:
+        >>> from torchshell.twins.spoken_digits import SpokenDigitsEncoder
+        >>> serving = SpokenDigitsEncoder(width=16, depth=1, heads=2).serving()
+        >>> kw = waveform_model_kwargs(serving, Path(tempfile.mkdtemp()))
+        >>> sorted(kw["artifacts"]), kw["input_example"]["lengths"].tolist()
+        (['program', 'serving'], [8000, 4800])
+    """
+    from torchshell.tracking import default_pip_requirements
+
+    serving.eval()
+    waveform, lengths = serving.example_input()
+    with torch.no_grad():
+        num_classes = int(serving(waveform, lengths).shape[-1])
+    program = export_program(serving, (waveform, lengths))
+    work.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, work / "program.pt2")
+    (work / "serving.json").write_text(json.dumps(serving_spec(serving, num_classes), indent=1))
+    return {
+        "python_model": str(CODE),
+        "artifacts": {"program": str(work / "program.pt2"), "serving": str(work / "serving.json")},
+        "signature": signature(num_classes),
+        "input_example": {"waveform": waveform.numpy(), "lengths": lengths.numpy()},
+        "pip_requirements": default_pip_requirements(),
+    }
+
+
+def log_waveform_model(
+    logger: Any, serving: torch.nn.Module, *, name: str = "model", register_as: str | None = None
+) -> Any:
+    """Logs the waveform pyfunc model into the run (``runs:/<run_id>/<name>``).
+
+    As :func:`torchshell.tracking.log_torch_model`: when the store is unreachable, the model is
+    saved locally and queued as an artifact directory ``name``, and None is returned.
+
+    Returns:
+        MLflow's ``ModelInfo``, or None.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    from torchshell.tracking._records import server_is_up
+
+    if not logger.enabled:
+        return None
+    kwargs = waveform_model_kwargs(serving, Path(tempfile.mkdtemp(prefix="coreshell-pt2-")))
+    _ = logger.version  # waits a few seconds for the run to exist
+    if logger.run_id is not None and server_is_up(logger.tracking_uri):
+        try:
+            with _use_tracking_uri(logger.tracking_uri), mlflow.start_run(run_id=logger.run_id):
+                return mlflow.pyfunc.log_model(
+                    name=name, registered_model_name=register_as, **kwargs
+                )
+        except Exception as error:  # the store went away: keep it locally
+            logger.report.errors.append(f"log_waveform_model: {type(error).__name__}: {error}")
+    local = logger.stage_path(name)
+    mlflow.pyfunc.save_model(str(local), **kwargs)
+    logger.log_artifact(local, name)
+    return None

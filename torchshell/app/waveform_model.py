@@ -1,0 +1,108 @@
+"""The served speech model: an MLflow pyfunc over ``torch.export``'s program (models from code).
+
+MLflow copies this file into the logged model and runs it at load time, so it imports only
+what the serving environment has (numpy, torch, mlflow): no coreshell code, no pickle.
+
+Request (``mlflow.pyfunc`` and ``mlflow models serve`` alike): a dict of two tensors,
+
+- ``waveform``: float32 ``[B, N]``, 16 kHz mono clips, each zero-padded to the longest;
+- ``lengths``: int64 ``[B]``, each clip's own length in samples (0.2 s to 5 s).
+
+One clip is a batch of one. Over HTTP: ``POST /invocations`` with
+``{"inputs": {"waveform": [[...], [...]], "lengths": [16000, 9600]}}``.
+Response: ``{"logits": [B, C], "probabilities": [B, C], "label": [B]}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlflow
+import numpy as np
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+FORMAT = (
+    'Send {"waveform": float32[B, N] (clips zero-padded to the longest), "lengths": '
+    "int64[B] (samples of each clip)}; over HTTP "
+    '{"inputs": {"waveform": [[...]], "lengths": [N]}}'
+)
+
+
+def _refuse(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+def validated(model_input: Any, spec: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(waveform float32[B, N], lengths int64[B])`` of a request, or a clear refusal.
+
+    Args:
+        model_input: the request: a dict with ``waveform`` and ``lengths``.
+        spec: the model's ``serving.json`` (``sample_rate``, ``min_samples``,
+            ``max_samples``).
+
+    Raises:
+        MlflowException: (HTTP 400) what was expected, what came in, and the fix.
+
+    Example:
+        >>> spec = {"sample_rate": 16000, "min_samples": 3200, "max_samples": 80000}
+        >>> w, n = validated({"waveform": np.zeros((1, 4000)), "lengths": [4000]}, spec)
+        >>> w.dtype, n.tolist()
+        (dtype('float32'), [4000])
+    """
+    if not isinstance(model_input, dict) or not {"waveform", "lengths"} <= set(model_input):
+        got = sorted(model_input) if isinstance(model_input, dict) else type(model_input).__name__
+        raise _refuse(f"Expected a dict with 'waveform' and 'lengths'; got {got}. Fix: {FORMAT}.")
+    waveform = np.asarray(model_input["waveform"], dtype=np.float32)
+    lengths = np.asarray(model_input["lengths"]).reshape(-1)
+    if waveform.ndim == 1:
+        waveform = waveform[None]
+    if waveform.ndim != 2 or len(lengths) != len(waveform) or not len(waveform):
+        raise _refuse(
+            f"Expected waveform [B, N] and lengths [B] with B >= 1; got waveform "
+            f"{list(waveform.shape)} and lengths {list(lengths.shape)}. Fix: {FORMAT}."
+        )
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise _refuse(f"lengths must be integers (samples); got {lengths.dtype}. Fix: {FORMAT}.")
+    rate, low, high = spec["sample_rate"], spec["min_samples"], spec["max_samples"]
+    bad = [
+        (i, int(n)) for i, n in enumerate(lengths) if not low <= n <= min(high, waveform.shape[1])
+    ]
+    if bad:
+        i, n = bad[0]
+        raise _refuse(
+            f"Clip {i} has lengths[{i}]={n} samples ({n / rate:.3f} s); expected "
+            f"{low}..{high} samples ({low / rate:g} s to {high / rate:g} s of {rate} Hz audio) "
+            f"and at most the padded width {waveform.shape[1]}. Fix: send 16 kHz mono clips "
+            "of 0.2 s to 5 s (split longer recordings), lengths[i] = the clip's own samples."
+        )
+    if not np.isfinite(waveform).all():
+        raise _refuse("waveform holds NaN or infinite samples. Fix: send finite float32 audio.")
+    return np.ascontiguousarray(waveform), lengths.astype(np.int64)
+
+
+class WaveformClassifier(mlflow.pyfunc.PythonModel):
+    """Runs the exported program (waveform and lengths in, logits out) on a validated batch."""
+
+    def load_context(self, context):
+        with open(context.artifacts["serving"]) as f:
+            self.spec = json.load(f)
+        self.program = torch.export.load(context.artifacts["program"]).module()
+
+    def predict(self, context, model_input, params=None):
+        # no type hints: MLflow would take them for a schema of its own
+        waveform, lengths = validated(model_input, self.spec)
+        with torch.no_grad():
+            logits = self.program(torch.from_numpy(waveform), torch.from_numpy(lengths)).numpy()
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return {
+            "logits": logits.astype(np.float32),
+            "probabilities": (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32),
+            "label": logits.argmax(axis=1).astype(np.int64),
+        }
+
+
+if __name__ != "torchshell.app.waveform_model":  # run by MLflow as the model's code
+    mlflow.models.set_model(WaveformClassifier())
