@@ -136,3 +136,55 @@ def test_coreshell_main_dispatches_doctor(tmp_path: Path, capsys):
         main(["doctor", *_base(tmp_path), "mesh.axes.data=3"])
     assert exit_.value.code == 1
     assert "blocking: mesh" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def speech_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The default recipe (spoken digits) on a tiny built set; the rest at its defaults."""
+    tmp = tmp_path_factory.mktemp("speech")
+    return [
+        f"data.root={tmp}/sd",
+        "data.takes=1",
+        "data.speakers=4",
+        "data.num_workers=0",
+        "data.batch_size=8",
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+        f"ckpt.dir={tmp}/ck",
+    ]
+
+
+def test_default_speech_recipe_passes_on_every_length_bucket(speech_overrides: list[str]):
+    """Issue 18: the sample batch may come from any bucket (48, 64 or 128 frames); the twin's
+    example (64 frames) no longer decides, and both models run on every bucket."""
+    checks = _by_name(run_checks(compose_config(speech_overrides)))
+    assert [c for c in checks.values() if c.status == FAIL] == []
+    buckets = checks["buckets"]
+    assert buckets.status == "ok" and "buckets [48, 64, 128]" in buckets.detail
+    for size in (48, 64, 128):
+        assert f"{size} -> [8, 10]" in buckets.detail
+    assert "features: float32[8, " in checks["sample batch"].detail
+
+
+def test_the_sample_check_accepts_a_batch_of_every_bucket(speech_overrides: list[str]):
+    """The check that failed half the time: a batch from each bucket against the twin."""
+    from hydra.utils import instantiate
+
+    from torchshell.app._doctor_shapes import _sample_checks
+    from torchshell.data.spoken_digits import BucketCollate, SpokenDigitsDataModule
+
+    cfg = compose_config(speech_overrides)
+    twin = instantiate(cfg.model.twin)
+    data = SpokenDigitsDataModule(
+        cfg.data.root, batch_size=8, num_workers=0, takes=1, speakers=4, augment=False
+    )
+    data.setup("fit")
+    items = [data.datasets["test"][i] for i in range(4)]
+    for size in (48, 64, 128):
+        items = [{**it, "features": it["features"][:size]} for it in items]
+        batch = BucketCollate((size,))(items)
+        check = _sample_checks(batch, None, twin, ["features", "frame_mask"])
+        assert check.status == "ok", (size, check.detail)
+    wrong = {**batch, "features": batch["features"][..., :20]}  # 20 mel bands, twin has 40
+    check = _sample_checks(wrong, None, twin, ["features", "frame_mask"])
+    assert check.status == FAIL and "field 'features'" in check.detail
+    assert "float32[4, 128, 20]" in check.detail and "Fix:" in check.detail

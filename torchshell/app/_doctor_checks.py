@@ -9,7 +9,6 @@ import shutil
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,37 +103,6 @@ def _workers(loader: Any) -> Check:
             "persistent_workers) or multiprocessing_context='spawn'.",
         )
     return Check("workers", OK, detail)
-
-
-def _sample_checks(batch: dict[str, Any], module: Any, twin: Any, inputs: Sequence[str]) -> Check:
-    fields = ", ".join(f"{k}: {_fmt(v)}" for k, v in batch.items())
-    problems = []
-    missing = [k for k in inputs if k not in batch]
-    if missing:
-        problems.append(
-            f"the model reads {list(inputs)} but the batch has {sorted(batch)} (missing "
-            f"{missing}). Fix: rename the fields in the Dataset/collate or set model.inputs"
-        )
-    make = getattr(twin, "example_input", None)
-    if callable(make) and not missing:
-        example = make()
-        example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
-        for name, want in zip(inputs, example, strict=False):
-            got = batch[name]
-            same = (
-                got.dtype == want.dtype
-                and got.dim() == want.dim()
-                and (got.dim() < 2 or got.shape[-1] == want.shape[-1])
-            )
-            if not same:
-                problems.append(
-                    f"field {name!r}: the torch twin expects {_fmt(want)} (batch dim first), "
-                    f"the data gives {_fmt(got)}. Fix: make the Dataset produce that shape and "
-                    "dtype, or change the model config to the data's"
-                )
-    if problems:
-        return Check("sample batch", FAIL, f"{fields}; " + "; ".join(problems))
-    return Check("sample batch", OK, fields)
 
 
 def _x64(batch: dict[str, Any]) -> Check:

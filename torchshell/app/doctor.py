@@ -7,10 +7,12 @@ usually goes wrong in the first hour of a run, without running a step:
 ==============  ===========================================================================
 versions        JAX, jaxlib, torch and CUDA versions; the devices JAX and torch see
 workers         the DataLoader's start method against JAX's threads (``fork`` deadlocks)
-sample batch    one batch from the configured data module: keys, shapes, dtypes
+sample batch    one batch from the configured data module: keys, shapes, dtypes; the twin
+                runs on it (the axes it declares dynamic, e.g. time, may differ from its example)
 x64             64-bit fields while ``jax_enable_x64`` is off (narrowed or refused)
 zero-copy       whether the sample batch crosses to JAX without a host copy
 model           the model and loss traced on the sample batch (``jax.eval_shape``, no FLOPs)
+buckets         every length bucket of the data: the JAX model (traced) and the torch twin
 mesh            mesh axes against the device count; the batch against the data axis
 sharding        the sharding plan of the whole state; params that no rule shards
 recompiles      compiled shapes the loaders will produce (ragged last batches, buckets)
@@ -40,7 +42,6 @@ from torchshell.app._doctor_checks import (
     _model,
     _recompiles,
     _rows,
-    _sample_checks,
     _sharding,
     _tracking,
     _transfer,
@@ -48,6 +49,7 @@ from torchshell.app._doctor_checks import (
     _workers,
     _x64,
 )
+from torchshell.app._doctor_shapes import _buckets, _sample_checks
 from torchshell.app.config import Config, compose_config, typed
 from torchshell.app.failures import BAD_INPUT, our_errors, report
 from torchshell.app.prepare import build, prepare_run
@@ -120,6 +122,9 @@ def run_checks(cfg: Config | DictConfig) -> list[Check]:
         return checks
     model, abstract = _model(module, jbatch)
     checks.append(model)
+    if abstract is not None:
+        buckets = _buckets(data, batch, module, twin, list(cfg.model.inputs), jbatch)
+        checks.extend([buckets] if buckets is not None else [])
     if abstract is not None:
         checks.append(_sharding(cfg, module, abstract))
         checks.append(_checkpoints(cfg, abstract))
