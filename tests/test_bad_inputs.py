@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -309,3 +310,58 @@ def test_disk_full_while_checkpointing_is_a_clear_error(
         )
     msg = str(err.value)
     assert "step=20" in msg and "No space left" in msg and "Fix:" in msg
+
+
+# -- indices, lengths and masks torch would refuse -------------------------------------------
+class _Tokens(nn.Module):
+    """Token ids -> nn.Embed(30) -> mean -> 10 classes."""
+
+    @nn.compact
+    def __call__(self, ids: jax.Array, train: bool = False) -> jax.Array:
+        return nn.Dense(10)(nn.Embed(30, 8)(ids).mean(axis=1))
+
+
+def _fit_tokens(ids: torch.Tensor) -> JaxModule:
+    batch = {"ids": ids, "y": torch.zeros(ids.shape[0], dtype=torch.int32)}
+    module = JaxModule(
+        _Tokens(),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        inputs=("ids",),
+        print_summary=False,
+    )
+    trainer = quiet_trainer(max_steps=1, log_every_n_steps=1)
+    trainer.fit(module, train_dataloaders=DataLoader(_Batches([batch]), batch_size=None))
+    return module
+
+
+def test_ids_past_a_flax_embed_table_are_refused_like_torch_before_any_step():
+    ids = torch.randint(0, 30, (ROWS, 5), generator=torch.Generator().manual_seed(0))
+    assert _fit_tokens(ids).state is not None  # in range: it trains
+    ids[3, 2] = 49  # torch: IndexError: index out of range in self
+    module = None
+    with pytest.raises(jaxcore.BatchError) as err:
+        module = _fit_tokens(ids)
+    msg = str(err.value)
+    assert "['ids']" in msg and "30 rows" in msg and "49" in msg and "IndexError" in msg
+    assert "Fix:" in msg and "learning rate" not in msg
+    assert module is None
+    ids[3, 2] = -1
+    with pytest.raises(jaxcore.BatchError, match="holds -1"):
+        _fit_tokens(ids)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"lengths": torch.tensor([64] * (ROWS - 1) + [-3])}, "'lengths' holds -3 at row 15"),
+        ({"mask": torch.ones(ROWS - 1, dtype=torch.bool)}, f"expected [{ROWS}]"),
+        ({"x_mask": torch.ones(ROWS, 63, dtype=torch.bool)}, "'x_mask' has shape [16, 63]"),
+    ],
+    ids=["negative-length", "row-mask-of-wrong-length", "field-mask-of-wrong-length"],
+)
+def test_negative_lengths_and_masks_of_the_wrong_length_are_named(extra: dict, named: str):
+    with pytest.raises(jaxcore.BatchError) as err:
+        _fit([{**_batch(), **extra}])
+    assert named in str(err.value) and "Fix:" in str(err.value)
+    _fit([{**_batch(), "lengths": torch.full((ROWS,), 64), "x_mask": torch.ones(ROWS, 64)}])

@@ -31,6 +31,7 @@ from torchshell._batches import check_fields, name_batch, rows
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
+from torchshell._flax_checks import check_batch
 from torchshell._torch_static import specialise_batch
 from torchshell.checkpoint import restore_state
 
@@ -172,7 +173,9 @@ class HandOverPart(_Shared):
     # -- hand-over ---------------------------------------------------------------------------
     def _prepare(self, batch: Any) -> Any:
         """The batch as the model reads it: named fields for the Flax path."""
-        return name_batch(batch, self.batch_keys)
+        named = name_batch(batch, self.batch_keys)
+        check_batch(self, named)  # nn.Embed ids, negative lengths, masks: refused like torch
+        return named
 
     def _global_rows(self, batch: Batch) -> int:
         """Rows of the padded global batch: the batch rounded up to the data axis."""

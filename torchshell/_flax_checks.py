@@ -1,0 +1,173 @@
+"""Host checks of a batch that torch would refuse and a jitted step would not.
+
+- **Flax ``nn.Embed`` indices**: torch raises ``IndexError`` for an id past the table; JAX's
+  gather fills it and the loss turns NaN. The batch fields that feed an ``nn.Embed``
+  directly are found once, by tracing the model's ``init`` on the batch's shapes with
+  ``flax.linen.intercept_methods`` (no compute); each batch is then checked on the host like
+  the traced ``nn.Embedding`` (:mod:`torchshell._embedding`).
+- **Lengths and masks**: an integer ``length``/``lengths``/``*_lengths``/``*_len`` field
+  holding a negative value (torch's ``pack_padded_sequence`` refuses it; a mask built from
+  it in a jitted step is silently empty), a row ``mask`` that is not ``[B]``, or a
+  ``*_mask`` field whose shape does not line up with the data it masks (``frame_mask``
+  ``[B, T']`` beside ``features`` ``[B, T, F]``): ``jaxcore.BatchError`` naming the field,
+  what was expected, what came, and the fix.
+
+A module reaches these through :func:`check_batch` in its hand-over (``_prepare``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import torch
+
+from jaxcore import BatchError
+from torchshell._embedding import EmbeddingChecks
+
+__all__ = ["check_batch", "check_lengths_and_masks", "embed_fields"]
+
+_LENGTH = re.compile(r"(^|_)(lengths?|lens?)$")
+
+
+def _struct(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        dtype = jax.dtypes.canonicalize_dtype(jnp.dtype(str(t.dtype).removeprefix("torch.")))
+        return jax.ShapeDtypeStruct(tuple(t.shape), dtype)
+    return t
+
+
+def embed_fields(init: Any, batch: Mapping[str, Any]) -> dict[str, int]:
+    """The batch fields passed straight into a Flax ``nn.Embed``, with the table's rows.
+
+    Args:
+        init: a model's ``init(rng, batch)`` (:class:`jaxcore.ModelFns`); only traced.
+        batch: the batch (torch tensors or arrays); only shapes and dtypes are read.
+
+    Returns:
+        ``{field path (jax keystr): rows of the smallest table it indexes}``.
+
+    Example:
+        >>> import flax.linen as nn, jaxcore
+        >>> class Tok(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, ids, train=False):
+        ...         return nn.Embed(30, 4)(ids).mean(1)
+        >>> fns = jaxcore.linen_model(Tok(), inputs=("ids",))
+        >>> embed_fields(fns.init, {"ids": torch.zeros(2, 5, dtype=torch.int32)})
+        {"['ids']": 30}
+    """
+    found: dict[str, int] = {}
+
+    def trace(b: Any) -> Any:
+        paths = {
+            id(leaf): jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(b)
+        }
+
+        def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+            if isinstance(context.module, nn.Embed) and context.method_name == "__call__" and args:
+                path = paths.get(id(args[0]))
+                if path is not None:
+                    rows = int(context.module.num_embeddings)
+                    found[path] = min(rows, found.get(path, rows))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(intercept):
+            return init(jax.random.key(0), b)
+
+    try:
+        jax.eval_shape(trace, jax.tree.map(_struct, dict(batch)))
+    except Exception:  # a batch the model cannot read: the step itself says why, clearly
+        return {}
+    return found
+
+
+def _rows(batch: Mapping[str, Any]) -> int | None:
+    for key, t in batch.items():
+        if key != "mask" and isinstance(t, torch.Tensor) and t.dim():
+            return int(t.shape[0])
+    return None
+
+
+def _check_length(key: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.dtype == torch.bool or not t.numel() or int(t.min()) >= 0:
+        return
+    row = int((t.reshape(t.shape[0], -1) < 0).any(1).nonzero()[0, 0])
+    raise BatchError(
+        f"The batch field {key!r} holds {int(t.min())} at row {row}; expected lengths >= 0 "
+        "(torch's pack_padded_sequence refuses negative lengths; a mask built from one is "
+        "silently empty). Fix: compute the lengths in the Dataset/collate before padding, "
+        "from the unpadded items."
+    )
+
+
+def _check_mask(key: str, t: torch.Tensor, batch: Mapping[str, Any], rows: int) -> None:
+    shape = tuple(t.shape)
+    if key == "mask":
+        if shape != (rows,):
+            raise BatchError(
+                f"The batch field 'mask' (which rows are real) has shape {list(shape)}; "
+                f"expected [{rows}], one flag per row of the batch. Fix: return a [B] bool "
+                "mask from the collate, or rename the field if it masks something else "
+                "(e.g. 'frame_mask' [B, T])."
+            )
+        return
+    data = {
+        k: tuple(v.shape)
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and not k.endswith("mask")
+    }
+    lined_up = len(shape) == 1 or not data or any(d[: len(shape)] == shape for d in data.values())
+    if shape[0] != rows or not lined_up:
+        fields = {k: list(v) for k, v in data.items()}
+        raise BatchError(
+            f"The batch field {key!r} has shape {list(shape)}, which masks none of the "
+            f"batch's fields {fields} ({rows} rows): expected the leading dims of the field "
+            f"it masks (e.g. [{rows}, T] for [{rows}, T, F]). Fix: pad the mask to the same "
+            "length as the data in the collate (the same bucket)."
+        )
+
+
+def check_lengths_and_masks(batch: Mapping[str, Any]) -> None:
+    """Refuses negative lengths and masks whose shape does not fit the batch.
+
+    Raises:
+        BatchError: the field, what was expected, what came, and the fix.
+
+    Example:
+        >>> check_lengths_and_masks({"x": torch.ones(2, 3), "lengths": torch.tensor([3, 1])})
+        >>> check_lengths_and_masks({"x": torch.ones(2, 3), "lengths": torch.tensor([3, -1])})
+        Traceback (most recent call last):
+        ...
+        jaxcore._errors.BatchError: The batch field 'lengths' holds -1 at row 1; ...
+    """
+    rows = _rows(batch)
+    for key, t in batch.items():
+        if not isinstance(t, torch.Tensor) or not t.dim():
+            continue
+        if _LENGTH.search(key):
+            _check_length(key, t)
+        if key.endswith("mask") and rows is not None:
+            _check_mask(key, t, batch, rows)
+
+
+def check_batch(module: Any, batch: Any) -> None:
+    """The checks above for a :class:`~torchshell.JaxModule`'s named batch (a dict).
+
+    The ``nn.Embed`` fields of a Flax model are found on the first batch and kept on the
+    module; a torch model traced by torchax has its own ``nn.Embedding`` check.
+    """
+    if not isinstance(batch, Mapping):
+        return
+    check_lengths_and_masks(batch)
+    checks = getattr(module, "_flax_embed_checks", None)
+    if checks is None:
+        checks = EmbeddingChecks()
+        if getattr(module, "torch_module", None) is None:
+            checks.fields = embed_fields(module.model_fns.init, batch)
+        object.__setattr__(module, "_flax_embed_checks", checks)
+    checks.check(batch)
