@@ -13,6 +13,7 @@ from torchshell.app import quiet
 from torchshell.app.served import log_waveform_model
 from torchshell.export import export_module, max_abs_diff
 from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
+from torchshell.tracking._artifacts import log_class_report
 
 
 def predict_test_split(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray]:
@@ -99,6 +100,14 @@ def publish(
     if labels and labels[0] is not None and logits.ndim == 2:
         y = np.concatenate(labels)
         log_confusion_matrix(logger, y, logits.argmax(-1))
+        log_class_report(  # per-class accuracy, test/examples, a few misclassified clips
+            logger,
+            y,
+            logits.argmax(-1),
+            labels=getattr(data, "class_names", None),
+            clip=getattr(data, "test_clip", None),
+            step=step,
+        )
         accuracy = float((logits.argmax(-1) == y).mean())
     if "features" in batch and batch["features"].dim() == 3:
         png = spectrogram_png(batch["features"][0].numpy(), logger.stage_path("spectrogram.png"))
