@@ -11,7 +11,10 @@ machine and reports which rank died at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax
 
@@ -28,6 +31,113 @@ def _split_address(address: str, name: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """Where this process stands, as a cluster's environment says (see :func:`detect_cluster`).
+
+    Attributes:
+        name: ``"slurm"`` or ``"kubernetes"``.
+        coordinator: ``HOST:PORT`` of process 0's coordination service.
+        num_processes: how many processes take part.
+        process_id: this process's rank.
+        local_device_ids: the accelerators this process drives (SLURM: ``[SLURM_LOCALID]``,
+            one GPU per task, as JAX's own detection does; ignored on CPU), or None.
+        read: the environment variables it was read from.
+    """
+
+    name: str
+    coordinator: str
+    num_processes: int
+    process_id: int
+    local_device_ids: list[int] | None = None
+    read: dict[str, str] = field(default_factory=dict)
+
+
+def _first_host(nodelist: str) -> str:
+    """``node[001-004,9],gpu7`` -> ``node001`` (SLURM's compressed host list)."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    prefix, ranges = (head.group(1), head.group(2)) if head else (nodelist, None)
+    return prefix + (re.split(r"[,-]", ranges)[0] if ranges else "")
+
+
+def _int(env: Mapping[str, str], name: str, read: dict[str, str]) -> int:
+    value = env[name]
+    read[name] = value
+    if not value.strip().lstrip("-").isdigit():
+        raise ConfigError(
+            f"dist.auto=true read {name}={value!r}, expected an integer. Fix: check the job's "
+            "environment, or pass dist.num_processes/dist.process_id explicitly."
+        )
+    return int(value)
+
+
+def detect_cluster(env: Mapping[str, str] | None = None) -> Cluster | None:
+    """The process layout ``dist.auto=true`` reads from a SLURM or Kubernetes environment.
+
+    - **SLURM** (``srun``, or ``sbatch`` with one task per process): ``SLURM_JOB_ID``,
+      ``SLURM_NTASKS`` (processes), ``SLURM_PROCID`` (rank), ``SLURM_LOCALID`` (rank on the
+      node, for ``local_device_ids``), the first host of ``SLURM_STEP_NODELIST`` (else
+      ``SLURM_JOB_NODELIST``) as the coordinator, on port ``JAX_COORDINATOR_PORT`` or, as
+      JAX picks it, ``61440 + SLURM_JOB_ID % 4096``.
+    - **Kubernetes, an Indexed Job**: ``JOB_COMPLETION_INDEX`` (rank, set by Kubernetes),
+      ``JAX_NUM_PROCESSES`` (the Job's ``completions``) and ``JAX_COORDINATOR_ADDRESS``
+      (pod 0's stable name through a headless Service, e.g.
+      ``train-0.train.default.svc.cluster.local:1234``), both set in the pod template.
+
+    ``JAX_COORDINATOR_ADDRESS`` overrides the coordinator in either case. Returns None in
+    neither environment (``dist.auto`` then leaves it to JAX: Open MPI, Cloud TPU).
+
+    Raises:
+        ConfigError: an Indexed Job without the coordinator or process count, or a value
+            that is not a number.
+
+    Example:
+        >>> env = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+        ...        "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+        >>> c = detect_cluster(env)
+        >>> c.name, c.coordinator, c.num_processes, c.process_id, c.local_device_ids
+        ('slurm', 'gpu07:61586', 2, 1, [1])
+        >>> k8s = {"JOB_COMPLETION_INDEX": "0", "JAX_NUM_PROCESSES": "4",
+        ...        "JAX_COORDINATOR_ADDRESS": "train-0.train:1234"}
+        >>> detect_cluster(k8s).coordinator, detect_cluster({}) is None
+        ('train-0.train:1234', True)
+    """
+    env = os.environ if env is None else env
+    read: dict[str, str] = {}
+    address = env.get("JAX_COORDINATOR_ADDRESS")
+    if address:
+        read["JAX_COORDINATOR_ADDRESS"] = address
+    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")):
+        count = _int(env, "SLURM_NTASKS", read)
+        rank = _int(env, "SLURM_PROCID", read)
+        job = _int(env, "SLURM_JOB_ID", read)
+        local = _int(env, "SLURM_LOCALID", read) if "SLURM_LOCALID" in env else None
+        if not address:
+            nodes_key = (
+                "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+            )
+            nodes = env.get(nodes_key, "localhost")
+            read[nodes_key] = nodes
+            port = env.get("JAX_COORDINATOR_PORT") or str(job % 2**12 + 65535 - 2**12 + 1)
+            if "JAX_COORDINATOR_PORT" in env:
+                read["JAX_COORDINATOR_PORT"] = port
+            address = f"{_first_host(nodes)}:{port}"
+        return Cluster("slurm", address, count, rank, None if local is None else [local], read)
+    if "JOB_COMPLETION_INDEX" in env:
+        rank = _int(env, "JOB_COMPLETION_INDEX", read)
+        if not address or "JAX_NUM_PROCESSES" not in env:
+            raise ConfigError(
+                "dist.auto=true found a Kubernetes Indexed Job (JOB_COMPLETION_INDEX="
+                f"{rank}) but not JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, which "
+                "Kubernetes does not set. Fix: set both in the pod template: the address of "
+                "pod 0 through a headless Service (e.g. train-0.train:1234) and the Job's "
+                "completions; or pass dist.coordinator and dist.num_processes."
+            )
+        count = _int(env, "JAX_NUM_PROCESSES", read)
+        return Cluster("kubernetes", address, count, rank, None, read)
+    return None
+
+
 def initialize(
     *,
     auto: bool = False,
@@ -41,9 +151,10 @@ def initialize(
 ) -> bool:
     """Joins this process to JAX's distributed runtime; returns whether it is multi-process.
 
-    With ``auto=True``, ``jax.distributed.initialize()`` detects SLURM, Open MPI, Kubernetes
-    (indexed Jobs, with the ``kubernetes`` package) or Cloud TPU; any explicit argument
-    overrides what it detects. Otherwise ``coordinator`` (process 0's ``HOST:PORT``),
+    With ``auto=True``, a SLURM job or a Kubernetes Indexed Job is read from the environment
+    by :func:`detect_cluster` (what it reads is listed there); elsewhere
+    ``jax.distributed.initialize()`` detects Open MPI or Cloud TPU. Any explicit argument
+    overrides what is detected. Otherwise ``coordinator`` (process 0's ``HOST:PORT``),
     ``num_processes`` and ``process_id`` say where this process stands; with neither (the
     defaults) nothing happens and the run is a single process. Call it once, before anything
     touches a JAX device; a later call with the same setting (the next job of a sweep) is a
@@ -101,6 +212,19 @@ def initialize(
         _split_address(coordinator, "dist.coordinator")
     if bind_address is not None:
         _split_address(bind_address, "dist.bind_address")
+    found = detect_cluster() if auto else None
+    if found is not None:  # explicit dist.* values win over what the environment says
+        coordinator = coordinator or found.coordinator
+        num_processes = found.num_processes if num_processes is None else num_processes
+        process_id = found.process_id if process_id is None else process_id
+        local_device_ids = found.local_device_ids if local_device_ids is None else local_device_ids
+        auto = False  # resolved here: JAX's detection (and its Kubernetes API calls) stays off
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(
+                f"dist.auto=true read process {process_id} of {num_processes} from "
+                f"{found.read}: the rank is outside [0, {num_processes}). Fix: check the "
+                "job's environment (one task per process)."
+            )
     if jax.distributed.is_initialized():  # e.g. the second job of a sweep in this process
         here = (jax.process_count(), jax.process_index())
         if auto or (num_processes, process_id) == here:
@@ -119,6 +243,7 @@ def initialize(
             initialization_timeout=init_timeout_s,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
             coordinator_bind_address=bind_address,
+            cluster_detection_method=None if auto else "deactivate",
         )
     except (RuntimeError, ValueError) as err:
         where = coordinator or "auto-detected"
@@ -173,4 +298,4 @@ def local_batch_size(global_batch_size: int) -> int:
     return global_batch_size // n
 
 
-__all__ = ["barrier", "initialize", "is_main", "local_batch_size"]
+__all__ = ["Cluster", "barrier", "detect_cluster", "initialize", "is_main", "local_batch_size"]

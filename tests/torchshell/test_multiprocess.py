@@ -21,10 +21,17 @@ from safetensors.torch import load_file
 from tests.helpers import quiet_env
 from torchshell._errors import ConfigError
 from torchshell.app.config import compose_config, typed
-from torchshell.app.launch import child_commands, child_env, devices_per_child, first_failure
+from torchshell.app.launch import (
+    child_commands,
+    child_env,
+    devices_per_child,
+    first_failure,
+    free_port,
+)
 from torchshell.app.prepare import build
 from torchshell.app.train import train
 from torchshell.checkpoint import restore_state, verify
+from torchshell.distributed import detect_cluster
 
 STEPS = 20
 COMMON = [
@@ -250,3 +257,109 @@ def test_dist_config_errors_name_the_fix():
     with pytest.raises(ConfigError, match="HOST:PORT"):
         initialize(coordinator="nohost", num_processes=2, process_id=0)
     assert initialize() is False
+
+
+def _cluster_run(tmp_path: Path, name: str, envs: list[dict[str, str]], steps: int) -> None:
+    """Two `coreshell train dist.auto=true` processes given a cluster's environment."""
+    procs = []
+    for rank, extra in enumerate(envs):
+        cmd = [sys.executable, "-m", "torchshell.app.cli", "train", *COMMON, "dist.auto=true"]
+        cmd += [
+            f"trainer.max_steps={steps}",
+            "ckpt.every_n_steps=0",
+            f"tracking.uri=sqlite:///{tmp_path}/clusters.db",
+            f"tracking.experiment={name}",
+            f"hydra.run.dir={tmp_path}/{name}",
+        ]
+        if rank:
+            cmd.append("hydra.output_subdir=null")
+        env = child_env({**quiet_env(), **extra}, 4)
+        log = (tmp_path / f"{name}-{rank}.log").open("w")
+        procs.append(
+            subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
+        )
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"{name}-{r}.log").read_text()[-2000:] for r in range(len(envs))]
+    assert codes == [0, 0], logs
+
+
+def test_slurm_and_kubernetes_environments_train_like_coreshell_launch(tmp_path: Path):
+    """What srun (SLURM) and an Indexed Job (Kubernetes) put in each task's environment,
+    given to two local processes with dist.auto=true: the same losses as coreshell launch."""
+    steps = 6
+    _launch(
+        tmp_path,
+        2,
+        4,
+        [
+            *COMMON,
+            f"trainer.max_steps={steps}",
+            "ckpt.every_n_steps=0",
+            f"tracking.uri=sqlite:///{tmp_path}/clusters.db",
+            "tracking.experiment=launch",
+            f"hydra.run.dir={tmp_path}/launch",
+        ],
+    )
+    port = str(free_port())
+    slurm = [
+        {
+            "SLURM_JOB_ID": "73001",
+            "SLURM_JOB_NAME": "coreshell",
+            "SLURM_NTASKS": "2",
+            "SLURM_NPROCS": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_NNODES": "1",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_TASKS_PER_NODE": "2",
+            "JAX_COORDINATOR_PORT": port,  # (else 61440 + SLURM_JOB_ID % 4096)
+        }
+        for rank in range(2)
+    ]
+    _cluster_run(tmp_path, "slurm", slurm, steps)
+    k8s_port = str(free_port())
+    k8s = [
+        {
+            "JOB_COMPLETION_INDEX": str(rank),  # set by Kubernetes for an Indexed Job
+            "HOSTNAME": f"train-{rank}",
+            "KUBERNETES_SERVICE_HOST": "10.96.0.1",  # JAX's own k8s detection stays off
+            "KUBERNETES_SERVICE_PORT": "443",
+            "JAX_NUM_PROCESSES": "2",  # from the pod template (the Job's completions)
+            "JAX_COORDINATOR_ADDRESS": f"localhost:{k8s_port}",  # pod 0 via a headless Service
+        }
+        for rank in range(2)
+    ]
+    _cluster_run(tmp_path, "kubernetes", k8s, steps)
+    uri = f"sqlite:///{tmp_path}/clusters.db"
+    launched = _losses(uri, "launch")
+    assert len(launched["dp"]) == steps
+    for name in ("slurm", "kubernetes"):
+        ran = _losses(uri, name)
+        assert list(ran) == ["dp"], name  # one MLflow run: only process 0 logs
+        np.testing.assert_allclose(ran["dp"], launched["dp"], rtol=1e-6, err_msg=name)
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        run = client.search_runs([client.get_experiment_by_name(name).experiment_id])[0]
+        assert run.data.tags["processes.count"] == "2"  # it ran on both processes
+
+
+def test_cluster_environments_are_read_or_refused_with_the_fix():
+    assert detect_cluster({}) is None
+    c = detect_cluster(
+        {
+            "SLURM_JOB_ID": "5",
+            "SLURM_NTASKS": "4",
+            "SLURM_PROCID": "3",
+            "SLURM_JOB_NODELIST": "n[3-4]",
+        }
+    )
+    assert (c.name, c.coordinator, c.num_processes, c.process_id) == ("slurm", "n3:61445", 4, 3)
+    with pytest.raises(ConfigError, match="JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES"):
+        detect_cluster({"JOB_COMPLETION_INDEX": "1"})
+    with pytest.raises(ConfigError, match="expected an integer"):
+        detect_cluster({"SLURM_JOB_ID": "5", "SLURM_NTASKS": "four", "SLURM_PROCID": "0"})
