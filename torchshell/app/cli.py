@@ -1,4 +1,4 @@
-"""The ``coreshell`` command: ``train``, ``export``, ``doctor``, ``launch``.
+"""The ``coreshell`` command: ``train``, ``export``, ``doctor``, ``launch``, ``predict``, ``serve``.
 
 Every coreshell error that reaches here (config, mesh, sharding, data, checkpoint, export,
 tracking, distributed) prints as one block, what was expected, what came in and the fix, and
@@ -25,8 +25,12 @@ USAGE = """usage: coreshell [--verbose] COMMAND [ARGS...]
            add --cfg job to print the resolved config, -m for a multirun sweep
   export   RUN_DIR --format safetensors|torch|onnx: the trained torch twin's weights
   doctor   [OVERRIDES...]: pre-flight checks of a config, without training
+  predict  RUN_OR_MODEL FILES_OR_FOLDER...: WAV files in, one JSON line per file out
+  serve    RUN [--triton] [--port P]: the speech model over HTTP on 127.0.0.1 (--triton: the
+           JAX core through PyTriton)
   launch   --nproc N [--devices-per-proc K] -- train [OVERRIDES...]: N local processes on
            JAX's distributed runtime
+  tracking replay [PATH...]: send the MLflow records runs could not deliver (store down)
 
   --verbose  keep library warnings and show the traceback of every error
 """
@@ -102,10 +106,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         from torchshell.app.launch import launch_command
 
         raise SystemExit(guarded("launch", lambda: launch_command(rest)))
+    elif command == "tracking":
+        from torchshell.app.tracking_cli import tracking_command
+
+        raise SystemExit(guarded("tracking", lambda: tracking_command(rest)))
     elif command == "doctor":
         from torchshell.app.doctor import doctor_command
 
         raise SystemExit(guarded("doctor", lambda: doctor_command(rest)))
+    elif command == "predict":
+        from torchshell.app.predict import predict_command
+
+        raise SystemExit(guarded("predict", lambda: predict_command(rest)))
+    elif command == "serve":
+        from torchshell.app.serve import serve_command
+
+        raise SystemExit(guarded("serve", lambda: serve_command(rest)))
     else:
         print(f"coreshell: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(BAD_INPUT)

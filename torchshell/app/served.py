@@ -9,8 +9,14 @@ and sample axes. The request format is documented there and in ``docs/serving.md
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import re
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,48 @@ from torchshell.export import export_program
 
 MIN_SECONDS, MAX_SECONDS = 0.2, 5.0
 CODE = Path(__file__).with_name("waveform_model.py")
+
+
+class _DropValidating(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not re.search(r"Validating input example", record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_pyfunc() -> Iterator[None]:
+    """While a pyfunc model is saved or loaded: MLflow's notes that are not the user's.
+
+    Each silenced at its source, for the call only: the INFO line ``Validating input example
+    against model signature`` (MLflow runs the example through the model, as asked), the
+    ``Downloading artifacts`` bars (local copies of the run's own files) and the advice to
+    add type hints to ``predict`` (the model's signature is explicit, from
+    :func:`signature`). ``--verbose`` keeps all three.
+
+    Example:
+        >>> with quiet_pyfunc():
+        ...     pass
+    """
+    from torchshell.app.quiet import verbose
+
+    if verbose():
+        yield
+        return
+    logger, drop = logging.getLogger("mlflow.pyfunc"), _DropValidating()
+    bar = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    logger.addFilter(drop)
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r".*Add type hints to the `predict` method", category=UserWarning
+            )
+            yield
+    finally:
+        logger.removeFilter(drop)
+        if bar is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bar
 
 
 def serving_spec(serving: torch.nn.Module, num_classes: int) -> dict[str, Any]:
@@ -79,7 +127,8 @@ def save_waveform_model(serving: torch.nn.Module, path: str | Path) -> dict[str,
     import mlflow
 
     kwargs = waveform_model_kwargs(serving, Path(tempfile.mkdtemp(prefix="coreshell-pt2-")))
-    mlflow.pyfunc.save_model(str(path), **kwargs)
+    with quiet_pyfunc():
+        mlflow.pyfunc.save_model(str(path), **kwargs)
     return kwargs
 
 
@@ -134,13 +183,18 @@ def log_waveform_model(
     _ = logger.version  # waits a few seconds for the run to exist
     if logger.run_id is not None and server_is_up(logger.tracking_uri):
         try:
-            with _use_tracking_uri(logger.tracking_uri), mlflow.start_run(run_id=logger.run_id):
+            with (
+                _use_tracking_uri(logger.tracking_uri),
+                mlflow.start_run(run_id=logger.run_id),
+                quiet_pyfunc(),
+            ):
                 return mlflow.pyfunc.log_model(
                     name=name, registered_model_name=register_as, **kwargs
                 )
         except Exception as error:  # the store went away: keep it locally
             logger.report.errors.append(f"log_waveform_model: {type(error).__name__}: {error}")
     local = logger.stage_path(name)
-    mlflow.pyfunc.save_model(str(local), **kwargs)
+    with quiet_pyfunc():
+        mlflow.pyfunc.save_model(str(local), **kwargs)
     logger.log_artifact(local, name)
     return None
