@@ -372,3 +372,31 @@ def test_sqlite_store_and_bad_input(sqlite_uri: str, tmp_path: Path) -> None:
     bad.write_text('{"t": "m"}\n')
     with pytest.raises(TrackingError, match="header"):
         replay(bad)
+
+
+def test_the_next_train_replays_earlier_runs_undelivered_records_once(
+    sqlite_uri: str, tmp_path: Path
+) -> None:
+    """What `coreshell train` starts with (and `coreshell tracking replay` does): the
+    undelivered.jsonl of the runs beside the new run directory go to their store, in order,
+    once; a store still down keeps its file."""
+    from torchshell.app.tracking_cli import tracking_command
+    from torchshell.app.train import _replay_earlier_runs
+
+    head = {"t": "header", "run_id": None, "tracking_uri": sqlite_uri, "experiment": "later",
+            "run_name": "was-offline", "tags": {}, "status": "FINISHED"}  # fmt: skip
+    records = [{"t": "m", "k": "train/loss", "v": 1.0 / (s + 1), "ts": s, "s": s} for s in range(5)]
+    earlier = tmp_path / "outputs" / "2026-12-01" / "10-00-00" / "tracking" / "undelivered.jsonl"
+    down = tmp_path / "outputs" / "2026-12-01" / "10-30-00" / "tracking" / "undelivered.jsonl"
+    for path, uri in ((earlier, sqlite_uri), (down, f"http://127.0.0.1:{_free_port()}")):
+        path.parent.mkdir(parents=True)
+        lines = [{**head, "tracking_uri": uri}, *records]
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    _replay_earlier_runs(tmp_path / "outputs" / "2026-12-01" / "11-00-00").join(timeout=120)
+    assert not earlier.exists() and earlier.with_name("replayed.jsonl").is_file()
+    assert down.is_file()  # its store is unreachable: kept for later
+    client = MlflowClient(sqlite_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("later").experiment_id])
+    assert _ordered(client, run.info.run_id, "train/loss") == [(s, 1.0 / (s + 1)) for s in range(5)]
+    assert tracking_command(["replay", str(tmp_path / "outputs")]) == 1  # one still waits
+    assert len(_history(client, run.info.run_id, "train/loss")) == 5  # never sent twice

@@ -106,6 +106,7 @@ class TrackingConfig:
     system_metrics_interval_s: float | None = 10.0
     prometheus_port: int | None = None  # a /metrics endpoint on process 0 (0: a free port)
     prometheus_host: str = "127.0.0.1"
+    close_timeout_s: float = 60.0  # at the end, wait this long for a store that is down
 
 
 @dataclass

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -27,6 +29,7 @@ from torchshell.export import export_twin
 from torchshell.module import JaxModule
 from torchshell.torch_model import params_to_state_dict
 from torchshell.tracking import AsyncMLflowLogger, PrometheusMetrics, SystemMetrics, run_tags
+from torchshell.tracking._replay import replay_pending
 
 
 def _export_hook(resolved: dict[str, Any], module: JaxModule, twin: torch.nn.Module) -> Any:
@@ -108,8 +111,10 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
             run_name=cfg.tracking.run_name,
             tags=run_tags(module.mesh),
             spill_dir=out_dir / "tracking",
+            close_timeout_s=cfg.tracking.close_timeout_s,
         )
         logger.log_config(resolved)
+        replaying = _replay_earlier_runs(out_dir)
     interval = cfg.tracking.system_metrics_interval_s
     system = SystemMetrics(logger, interval_s=interval) if logger and interval else None
     trainer, sigterm = _make_trainer(cfg, resolved, module, twin, logger, out_dir, run.main)
@@ -163,11 +168,28 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
         if system is not None:
             system.stop()
         report = logger.close(status) if logger is not None else None
+        if logger is not None:
+            replaying.join()
         _stop_workers(trainer)
     if report is None:  # only process 0 has a logger, and it returned above otherwise
         raise RuntimeError("process 0 ended without a tracking report")
     console.end_summary(cfg, run, report, metrics, result)
     return {"run_id": report.run_id, "tracking_uri": cfg.tracking.uri, "metrics": metrics, **result}
+
+
+def _replay_earlier_runs(out_dir: Path) -> threading.Thread:
+    """Sends, in the background, what earlier runs beside this one could not deliver (their
+    ``tracking/undelivered.jsonl``): ``RUN_DIR/../*`` and Hydra's ``outputs/DATE/TIME``."""
+    base = out_dir.resolve().parent
+    thread = threading.Thread(
+        target=replay_pending,
+        args=(base, base.parent),
+        kwargs={"patterns": ("*/tracking/undelivered.jsonl", "*/*/tracking/undelivered.jsonl")},
+        name="coreshell-tracking-replay",
+        daemon=True,
+    )
+    thread.start()
+    return thread
 
 
 def _stop_workers(trainer: L.Trainer) -> None:
@@ -239,7 +261,8 @@ def _make_trainer(
         devices=1,
         logger=logger or False,
         callbacks=callbacks,
-        plugins=[ckpt_io],
+        # Lightning is one process per JAX process: it must not read SLURM/K8s itself
+        plugins=[ckpt_io, LightningEnvironment()],
         enable_checkpointing=checkpointing,
         default_root_dir=str(out_dir),
         **args,

@@ -65,7 +65,8 @@ class TrackingReport:
         if self.undelivered:
             lines.append(
                 f"  NOT DELIVERED: {self.undelivered} record(s), kept in {self.undelivered_file}."
-                " Send them when the store is back: torchshell.tracking.replay(that file)"
+                " Send them when the store is back: coreshell tracking replay "
+                f"{self.undelivered_file} (the next coreshell train beside this run does it too)"
             )
         lines += [f"  error: {e}" for e in self.errors[-3:]]
         return "\n".join(lines)
