@@ -216,7 +216,8 @@ def write_onnx(twin: torch.nn.Module, out: Path, *, batch: int = 2) -> float | N
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     diff = 0.0
     lengths = tuple(getattr(twin, "check_lengths", ()))  # a dynamic time axis: 3 lengths
-    cases = [(rows, *more) for rows in (1, batch + 3) for more in ([(n,) for n in lengths] or [()])]
+    extra: list[tuple[int, ...]] = [(n,) for n in lengths] or [()]
+    cases = [(rows, *more) for rows in (1, batch + 3) for more in extra]
     for rows, *more in cases:  # other batch sizes (the axis must be dynamic, 1 included)
         check = _example_args(twin, rows, *more)
         feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), check, strict=True)}

@@ -61,6 +61,7 @@ class JaxCore:
         import bridge
         from torchshell.app.export_cli import load_twin
 
+        twin: Any
         twin, _ = load_twin(config, weights)
         if not hasattr(twin, "serving"):
             raise ConfigError(
@@ -287,6 +288,7 @@ def model_uri(source: str, tracking_uri: str, work: Path) -> str:
     config, weights = resolve_source(source, tracking_uri, work)
     if not path.is_dir():
         return f"runs:/{source}/model"
+    twin: Any
     twin, _ = load_twin(config, weights)
     if not hasattr(twin, "serving"):
         raise ConfigError(

@@ -145,7 +145,8 @@ def waveform_model_kwargs(serving: torch.nn.Module, work: Path) -> dict[str, Any
     from torchshell.tracking import default_pip_requirements
 
     serving.eval()
-    waveform, lengths = serving.example_input()
+    make: Any = serving.example_input  # the module's own method
+    waveform, lengths = make()
     with torch.no_grad():
         num_classes = int(serving(waveform, lengths).shape[-1])
     program = export_program(serving, (waveform, lengths))

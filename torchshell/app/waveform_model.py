@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.pyfunc import PythonModel
 
 FORMAT = (
     'Send {"waveform": float32[B, N] (clips zero-padded to the longest), "lengths": '
@@ -83,7 +84,7 @@ def validated(model_input: Any, spec: dict[str, Any]) -> tuple[np.ndarray, np.nd
     return np.ascontiguousarray(waveform), lengths.astype(np.int64)
 
 
-class WaveformClassifier(mlflow.pyfunc.PythonModel):
+class WaveformClassifier(PythonModel):
     """Runs the exported program (waveform and lengths in, logits out) on a validated batch."""
 
     def load_context(self, context):
