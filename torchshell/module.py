@@ -29,6 +29,7 @@ from torchshell._module_parts import (
     TrainerFlagsPart,
 )
 from torchshell._train_log import TrainLog, find_lrs, fresh
+from torchshell._windows import WindowPart, resolve_steps_per_call
 from torchshell.checkpoint import restore_state
 from torchshell.port._module import LightningParts
 from torchshell.summary import param_summary
@@ -37,17 +38,17 @@ LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Mapping[str, torch.Tensor]
 
 
-class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
+class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
     """Runs jaxcore train/eval/predict steps inside the real ``lightning.Trainer``.
 
     Lightning drives the loop (epochs, validation cadence, callbacks, loggers); each batch
     crosses to JAX through :func:`bridge.to_jax` (zero-copy where the layout allows, ragged
     batches padded with a ``mask``) and the step runs jitted and sharded on ``mesh``. There is
-    no torch optimizer: ``global_step`` counts JAX optimizer steps. With ``steps_per_call=K``
-    one Lightning step hands over a DataLoader batch of ``K * B`` rows, viewed as ``[K, B, ...]``
-    (no copy), and runs K optimizer steps in one call, so Lightning's per-step cost is paid once
-    per K steps. Metrics stay on device and are fetched only every ``log_every_n_steps``
-    optimizer steps, where they go to the loggers, the progress bar and the callbacks.
+    no torch optimizer: ``global_step`` counts JAX optimizer steps. By default a short step's
+    batches are buffered and run K per jitted call (:mod:`torchshell._windows`: the K=1
+    meaning of ``global_step``, logging and checkpoints kept). With ``steps_per_call=K`` a
+    DataLoader batch of ``K * B`` rows is viewed as K batches in one call. Metrics stay on
+    device and are fetched every ``log_every_n_steps`` steps (loggers, bar, callbacks).
 
     Batches come as the DataLoader yields them: a dict of tensors, or a list/tuple (a
     ``TensorDataset``) whose positions ``batch_keys`` names (``x``, ``y`` by default).
@@ -66,7 +67,8 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
         rules: explicit ``[(regex, PartitionSpec)]`` rules tried before the preset's.
         data_axis: the mesh axis the batch is split over.
         model_axis: the tensor-parallel mesh axis.
-        steps_per_call: optimizer steps per Lightning step (K stacked batches in one call).
+        steps_per_call: ``"auto"`` (K batches per call, K measured) or an int K (a batch of
+            K * B rows viewed as K steps).
         accum_steps: micro-batches per optimizer step (gradient accumulation within a batch).
         compute_dtype: ``"float32"`` or ``"bfloat16"`` for the forward/backward pass.
         nan_policy: ``"stop"``, ``"skip"`` or ``"none"`` (see :mod:`jaxcore.guard`).
@@ -101,7 +103,7 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
         rules: Sequence[Any] | None = None,
         data_axis: str = "data",
         model_axis: str = "model",
-        steps_per_call: int = 1,
+        steps_per_call: int | str = "auto",
         accum_steps: int = 1,
         compute_dtype: str | None = None,
         nan_policy: str = "stop",
@@ -109,11 +111,12 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
         print_summary: bool = True,
     ) -> None:
         super().__init__()
-        if steps_per_call < 1 or accum_steps < 1:
+        steps_per_call, auto = resolve_steps_per_call(steps_per_call)
+        if accum_steps < 1:
             raise ConfigError(
-                f"steps_per_call and accum_steps must be >= 1, got {steps_per_call} and "
-                f"{accum_steps}. Fix: use 1 to turn either off."
+                f"accum_steps must be >= 1, got {accum_steps}. Fix: use 1 to turn it off."
             )
+        self._init_windows(auto)
         self.automatic_optimization = False
         self.batch_keys = tuple(batch_keys)
         names = [self._input_name(i) for i in inputs]
@@ -276,6 +279,13 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
         if self.nan_policy == "stop":
             check_finite(batch)
         m = self.flags.accumulate
+        if m == 1 and self._buffering():
+            metrics = self._buffer_batch(batch)
+            every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
+            if metrics is not None and self.trainer.global_step % every == 0:
+                self._queue_log(metrics, self._global_rows(batch))
+            self.train_log.compute += time.perf_counter() - t0
+            return
         if m > 1:
             if self.steps_per_call > 1 or self.accum_steps > 1:
                 raise ConfigError(
@@ -296,7 +306,10 @@ class JaxModule(TrainerFlagsPart, HandOverPart, EvaluationPart, CheckpointPart):
         step_fn = self._step_for(micro, jbatch)
         before = self.trainer.global_step
         with self._batch_check(one):
-            self.state, metrics = step_fn(self.state, jbatch)
+            if self._measuring():
+                metrics = self._measure(step_fn, jbatch, one)
+            else:
+                self.state, metrics = step_fn(self.state, jbatch)
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         for _ in range(steps):
             progress.increment_ready()
@@ -388,3 +401,5 @@ class LightningJaxModule(LightningParts, JaxModule):
         optimizer: an optax transform to use instead of ``configure_optimizers``.
         **kwargs: :class:`JaxModule` options.
     """
+
+    supports_windows = False  # the user's self.log and epoch aggregation run per step

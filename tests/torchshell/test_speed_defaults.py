@@ -1,0 +1,157 @@
+"""``steps_per_call="auto"`` (the default): K buffered batches per jitted call, K=1 meaning.
+
+The window machinery is tested with K fixed (``JaxModule._choose``), so that windows really
+run whatever the machine's load; :func:`choose_k` itself is tested on given timings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers.logger import Logger
+from torch.utils.data import DataLoader, TensorDataset
+
+import jaxcore
+from jaxcore.models.digits import MLP
+from tests.helpers import quiet_trainer
+from torchshell import JaxModule
+from torchshell._windows import choose_k
+
+
+def _loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(300, 64, generator=g)
+    y = torch.randint(0, 10, (300,), generator=g)  # int64, as a user's labels are
+    return DataLoader(TensorDataset(x, y), batch_size=32)  # 9 full batches + 12 rows
+
+
+class _Steps(Logger):
+    """Records the steps and values the module logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "steps"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if "train/loss" in metrics and step is not None:
+            self.logged[step] = dict(metrics)
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _StateReader(L.Callback):
+    """Reads ``module.state`` after some batches: it must have caught up with global_step."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.seen = every, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
+        if trainer.global_step % self.every == 0:
+            self.seen.append((trainer.global_step, int(module.state.step)))
+
+
+def _fit(k: int | str, steps: int, monkeypatch: pytest.MonkeyPatch, callbacks=()) -> Any:
+    if k != "auto":
+        monkeypatch.setattr(JaxModule, "_choose", staticmethod(lambda *_: k))
+    module = JaxModule(
+        MLP(features=(32,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        mesh=jaxcore.make_mesh({"data": -1}, num_devices=1),
+        print_summary=False,
+    )
+    logger = _Steps()
+    trainer = quiet_trainer(max_steps=steps, log_every_n_steps=8, callbacks=list(callbacks))
+    trainer.logger = logger
+    trainer.fit(module, _loader())
+    assert trainer.global_step == steps
+    return module, logger
+
+
+@pytest.fixture(scope="module")
+def mp() -> Any:
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def runs(mp: pytest.MonkeyPatch) -> dict[int, Any]:
+    # 27 steps: 3 epochs of 10 batches (a ragged one each), 27 not a multiple of K=4
+    return {k: _fit(k, 27, mp) for k in (1, 4)}
+
+
+def test_windows_train_like_single_steps(runs: dict[int, Any]) -> None:
+    one, four = runs[1][0], runs[4][0]
+    assert four.window_k == 4 and four._windows > 0  # windows did run
+    assert int(four.state.step) == 27
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        one.state.params,
+        four.state.params,
+    )
+    # the ragged batch is padded inside a window: no recompile for it there
+    assert four._train_step.recompiles <= one._train_step.recompiles
+
+
+def test_logging_steps_and_values_match_single_steps(runs: dict[int, Any]) -> None:
+    one, four = runs[1][1].logged, runs[4][1].logged
+    assert sorted(one) == sorted(four) == [8, 16, 24]
+    for step in one:
+        assert four[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-4)
+
+
+def test_state_read_by_a_callback_has_caught_up(mp: pytest.MonkeyPatch) -> None:
+    reader = _StateReader(every=3)
+    module, _ = _fit(4, 13, mp, callbacks=[reader])
+    assert reader.seen == [(s, s) for s in (3, 6, 9, 12)]
+    assert int(module.state.step) == 13
+
+
+def test_a_checkpoint_mid_window_holds_every_step_taken(
+    mp: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from torchshell import _state_io
+
+    reference, _ = _fit(1, 7, mp)
+    first, _ = _fit(4, 7, mp)  # one window of 4, then 3 batches buffered when max_steps hits
+    trainer = quiet_trainer(max_steps=7)
+    trainer.strategy.connect(first)
+    trainer.save_checkpoint(tmp_path / "seven.ckpt")  # the save reads the state
+    ckpt = torch.load(tmp_path / "seven.ckpt", weights_only=False)
+    saved = _state_io.state_from_tensors(ckpt[_state_io.STATE_KEY], reference.state)
+    assert int(saved.step) == 7
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        reference.state.params,
+        saved.params,
+    )
+
+
+def test_choose_k_from_the_ratio_of_step_to_shell() -> None:
+    assert choose_k(0.0004, 0.0008, 50) == 10  # the digits MLP: a short step
+    assert choose_k(0.03, 0.001, 50) == 1  # the encoder: the step dominates
+    assert choose_k(0.0004, 0.0008, 8) == 8
+    assert choose_k(0.0004, 0.0008, 7) == 7
+    assert choose_k(0.0004, 0.0008, 1) == 1  # every step logged
+    assert choose_k(0.0004, 0.0008, 17) == 1  # a prime past 16: no divisor
+
+
+def test_steps_per_call_refuses_other_values() -> None:
+    from torchshell._errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'auto' or an int >= 1"):
+        JaxModule(MLP(), jaxcore.softmax_cross_entropy, None, steps_per_call="fast")
