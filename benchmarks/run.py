@@ -3,9 +3,12 @@
 Runs each script of ``benchmarks/`` in its own process (so Keras' backend choice, JAX's device
 count and the compile cache of one never touch another), in this order:
 
-- ``train_peers.py``: coreshell (a) against pure JAX (b), Keras 3 on JAX (c), PyTorch
-  Lightning (d) and the hand-written hybrid (e), on the digits MLP and the spoken-digits
-  encoder; ratios a/b, a/c, a/d, a/e per round; (a)'s time split;
+- ``user_path.py`` (the headline): coreshell at its defaults on the user's own
+  ``DataLoader(TensorDataset(x, y))``, against the pure JAX loop, Keras 3 and the hand-written
+  hybrid on that same loader object;
+- ``train_peers.py``: on the recipes' own data modules, tuned: coreshell (a) against pure
+  JAX (b), Keras 3 on JAX (c), PyTorch Lightning (d) and the hand-written hybrid (e), on
+  the digits MLP and the spoken-digits encoder; ratios per round; (a)'s time split;
 - ``bridge.py``: ``bridge.to_jax`` against the DLPack primitives and a copy;
 - ``compile_cache.py``: cold vs warm start with the persistent compilation cache;
 - ``torch_model.py``: a torch ``nn.Module`` through torchax vs Flax vs Lightning;
@@ -174,6 +177,7 @@ class Bench:
 
 
 BENCHES = [
+    Bench("user_path", "user_path.py", [], ["--tiny"]),
     Bench("peers", "train_peers.py", [], ["--tiny"]),
     Bench("bridge", "bridge.py", ["--quick"], ["--quick"], parse_bridge),
     Bench(
