@@ -48,11 +48,11 @@ from mlflow.tracking import MlflowClient
 from benchmarks import _runs
 
 BIN = Path(sys.executable).parent
-EVERY = 5  # trainer.log_every_n_steps
 SCHEDULES = {  # seconds: up, down, up, final down
     "full": (30.0, 190.0, 50.0, 30.0),
     "tiny": (6.0, 14.0, 10.0, 6.0),
 }
+EVERY = {"full": 5, "tiny": 20}  # trainer.log_every_n_steps
 
 
 def _free_port() -> int:
@@ -154,6 +154,7 @@ def _ms_per_step(points: list[tuple[int, int]], start: float, end: float) -> flo
 def soak(tmp: Path, mode: str) -> Result:
     """Runs the schedule of ``mode`` once; see the module doc."""
     up1, down1, up2, down2 = SCHEDULES[mode]
+    every = EVERY[mode]
     result = Result(mode, os.getloadavg())
     server = Server(tmp)
     result.windows_s["server_start"] = server.start()
@@ -162,7 +163,7 @@ def soak(tmp: Path, mode: str) -> Result:
     cmd = [
         *(sys.executable, "-m", _runs.cli_module(), "train"),
         *("data=digits", "model=digits", "trainer.max_steps=100000000", "trainer.max_epochs=-1"),
-        *(f"trainer.log_every_n_steps={EVERY}", "trainer.enable_progress_bar=false"),
+        *(f"trainer.log_every_n_steps={every}", "trainer.enable_progress_bar=false"),
         *("trainer.check_val_every_n_epoch=100000", "test_after_fit=false"),
         *("ckpt.every_n_steps=0", f"ckpt.dir={tmp}/ckpt"),
         *(f"tracking.uri={server.uri}", "tracking.experiment=soak"),
@@ -210,7 +211,7 @@ def soak(tmp: Path, mode: str) -> Result:
         history = client.get_metric_history(run_id, key)
         steps = sorted({m.step for m in history})
         if key.startswith(("train/", "perf/", "bridge/")) and len(steps) > 1:
-            expected = set(range(steps[0], steps[-1] + 1, EVERY))
+            expected = set(range(steps[0], steps[-1] + 1, every))
             result.missing[key] = len(expected - set(steps))
     loss = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
     result.steps, result.logged_points = loss[-1].step, len(loss)
