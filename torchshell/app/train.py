@@ -11,6 +11,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -256,6 +257,10 @@ def _make_trainer(
     ckpt_io = OrbaxCheckpointIO(
         lambda: module.state, module.restore_from, export=_export_hook(resolved, module, twin)
     )
+    # Every JAX process is Lightning's rank 0 of its own one-process run (as under `coreshell
+    # launch`); Lightning read SLURM_PROCID at import otherwise, and a rank>0 skipped its
+    # rank-zero hooks while process 0 ran them: the two left each other at a collective.
+    rank_zero_only.rank = 0
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
