@@ -123,14 +123,14 @@ def load_served(source: str, tracking_uri: str, work: Path) -> tuple[Any, dict[s
     """
     import mlflow
     from mlflow.exceptions import MlflowException
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     from torchshell.app import quiet
     from torchshell.app.serve import model_uri
 
     uri = model_uri(source, tracking_uri, work)
     try:
-        mlflow.set_tracking_uri(tracking_uri)
-        with quiet.torch_export_notes(), quiet_pyfunc():
+        with _use_tracking_uri(tracking_uri), quiet.torch_export_notes(), quiet_pyfunc():
             model = mlflow.pyfunc.load_model(uri)
     except (MlflowException, OSError) as err:
         raise ConfigError(

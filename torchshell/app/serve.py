@@ -348,6 +348,8 @@ def serve_command(argv: list[str]) -> int:
             str(args.port),
         ]
         env = {**os.environ, "MLFLOW_TRACKING_URI": args.tracking_uri}
+        # MLflow execs `uvicorn` through the shell: this environment's scripts first on PATH
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         print(
             f"coreshell serve: {uri} at http://{args.host}:{args.port}/invocations", file=sys.stderr
         )
