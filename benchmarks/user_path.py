@@ -60,13 +60,13 @@ USER_A = "(a) coreshell at its defaults"
 USER_TARGETS = {"(b) pure JAX loop": 0.8, "(c) Keras 3 (JAX)": 1.1, "(e) hand-written hybrid": 1.2}
 
 
-def bench_user_path(rounds: int, steps: int) -> list[Row]:
+def bench_user_path(rounds: int, steps: int, only: str = "", warmup: int = 40) -> list[Row]:
     """The headline: one ``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)``
     object read by every path; coreshell exactly as the README writes it, and tuned."""
     from jaxcore.models.digits import MLP
 
     loader = _user.digits_loader()
-    warmup = 40  # optimizer steps: compile, the K measurement, the first windows
+    # warmup: optimizer steps before the timed ones (compile, the K measurement, windows)
     mlp = lambda: MLP(features=(256, 256))  # noqa: E731
     shell, shell_path = _user.shell_defaults(mlp(), loader, warmup)
     _, tuned_path = _user.shell_defaults(mlp(), loader, warmup, nan_policy="none")
@@ -77,6 +77,9 @@ def bench_user_path(rounds: int, steps: int) -> list[Row]:
         "(c) Keras 3 (JAX)": _user.keras_loader(_keras_peer.keras_mlp(), loader, warmup=2),
         "(e) hand-written hybrid": _user.hybrid_loader(mlp(), loader, warmup=2),
     }
+    if only:  # a smoke run of some paths (coreshell's defaults always)
+        keep = {p.strip() for p in only.split(",")} | {"a"}
+        paths = {k: v for k, v in paths.items() if k[1:].split(")")[0] in keep}
     rates = _stats.rotate(paths, rounds, steps)
     a = rates[USER_A]
     a_med = statistics.median(a)
@@ -121,14 +124,16 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="smoke run: 1 round, few steps")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--only", default="", help="comma list of paths: a, a', b, c, e")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     for pattern in (".*does not have many workers.*", ".*Skipping val loop.*"):
         warnings.filterwarnings("ignore", pattern)
+    warmup = 40
     if args.tiny:
-        args.rounds, args.steps = 1, 8
-    rows = bench_user_path(args.rounds, args.steps)
+        args.rounds, args.steps, warmup = 1, 8, 8
+    rows = bench_user_path(args.rounds, args.steps, args.only, warmup)
     meta: dict[str, Any] = _stats.machine()
     meta["jax_devices"] = [str(d) for d in jax.devices()]
     meta["torch_threads"] = args.torch_threads

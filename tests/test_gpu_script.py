@@ -1,0 +1,39 @@
+"""``benchmarks/gpu.sh --dry-run``: the GPU readiness script, on CPU with tiny sizes.
+
+The GPU run itself needs a machine this suite does not have; the dry run takes the same steps
+(the CUDA DLPack test, the user-path peers, the encoder's MFU rows) so the script cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_script_dry_run_prints_one_table() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # JAX's own device count
+    env["PY"] = sys.executable
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    out = proc.stdout
+    assert out.count("| benchmark | case | metric |") == 1
+    assert re.search(r"load average [\d.]+/[\d.]+/[\d.]+", out)
+    assert "gpu: CUDA DLPack hand-over" in out and "skipped (" in out  # no CUDA here
+    assert "(a) coreshell at its defaults" in out and "(e) hand-written hybrid" in out
+    encoder = [line for line in out.splitlines() if line.startswith("| gpu encoder d=32")]
+    assert len(encoder) == 3
+    assert all("MFU n/a" in line for line in encoder)  # a CPU has no bf16 peak in the table
+    assert any("from_torch" in line for line in encoder)
