@@ -1,4 +1,5 @@
-"""The spoken-digits recipe: offline data set, torchaudio features, Flax encoder, torch twin."""
+"""The spoken-digits recipe: offline data set, augmentation, torchaudio features, Flax encoder,
+torch twin, run page."""
 
 import json
 from pathlib import Path
@@ -6,21 +7,28 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import lightning as L
+import mlflow
 import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
 import bridge
 import jaxcore
 from jaxcore.models.spoken_digits import SpokenDigitsEncoder
 from torchshell import JaxModule
+from torchshell.data._spoken_digits_build import HELD_OUT_VARIANTS, _plan, _settings
 from torchshell.data.spoken_digits import (
+    Augment,
     BucketCollate,
+    LogMel,
     SpokenDigitsDataError,
     SpokenDigitsDataModule,
     SpokenDigitsDataset,
     ensure_spoken_digits,
 )
+from torchshell.tracking import AsyncMLflowLogger
+from torchshell.tracking._artifacts import log_class_report
 from torchshell.twins.spoken_digits import SpokenDigitsEncoder as Twin
 from torchshell.twins.spoken_digits import SpokenDigitsServing
 
@@ -69,7 +77,7 @@ def test_features_shapes_dtypes_and_buckets(tiny_set: Path):
     assert batch["features"].dtype == torch.float32 and batch["frame_mask"].dtype == torch.bool
     assert batch["y"].dtype == torch.int32 and batch["y"].shape == (8,)
     assert batch["features"].shape[0] == 8 and batch["features"].shape[2] == 40
-    assert batch["features"].shape[1] in (48, 64, 128)
+    assert dm.buckets == (64, 128, 160) and batch["features"].shape[1] in dm.buckets
     lengths = batch["frame_mask"].sum(1)
     assert (lengths > 10).all() and (batch["features"][~batch["frame_mask"]] == 0).all()
     # evaluation features are deterministic; training ones are augmented
@@ -140,3 +148,119 @@ def test_two_training_steps_through_lightning(tiny_set: Path):
     trainer.test(module, datamodule=dm, verbose=False)
     assert 0.0 <= trainer.callback_metrics["test/accuracy"] <= 1.0
     assert np.isfinite(float(trainer.callback_metrics["test/loss"]))
+
+
+# issue 18: augmentation, splits, run page (accuracy: benchmarks/speech_accuracy.py)
+
+
+def test_augmentation_changes_the_waveform_within_its_ranges(tiny_set: Path):
+    ds = SpokenDigitsDataset(tiny_set, "train")
+    waves = [ds.wave(i) for i in range(8)]
+    g = torch.Generator().manual_seed(0)
+    aug = Augment()
+    out, drawn = aug.waves(waves, g)
+    for wave, new, d in zip(waves, out, drawn, strict=True):
+        assert d["speed"] in aug.speeds and abs(d["gain_db"]) <= aug.gain_db
+        assert 0 <= d["lead"] <= 0.25 * 16000 and 0 <= d["trail"] <= 0.1 * 16000
+        assert d["snr_db"] == float("inf") or 10 <= d["snr_db"] <= 30
+        assert new.shape[0] == round(wave.shape[0] / d["speed"]) + d["lead"] + d["trail"]
+        assert not torch.equal(new[: wave.shape[0]], wave)
+    assert len({d["speed"] for d in drawn}) > 1
+    # speed alone: a resampling by the factor (0.85x: longer, same peak region)
+    (slow,), _ = Augment(speeds=(0.85,), gain_db=0, max_lead_s=0, max_trail_s=0, noise_p=0).waves(
+        waves[:1], g
+    )
+    assert slow.shape[0] == round(waves[0].shape[0] / 0.85)
+    # noise alone: the measured SNR is the drawn one, inside 10-30 dB, against the speech
+    quiet = Augment(speeds=(1.0,), gain_db=0, max_lead_s=0.3, max_trail_s=0, noise_p=1.0)
+    noisy, drawn = quiet.waves(waves, g)
+    for wave, new, d in zip(waves, noisy, drawn, strict=True):
+        clean = torch.nn.functional.pad(wave, (d["lead"], 0))
+        noise_power = (new - clean).pow(2).mean()
+        measured = float(10 * torch.log10(wave.pow(2).mean() / noise_power))
+        assert 10 <= d["snr_db"] <= 30 and abs(measured - d["snr_db"]) < 0.05
+        assert d["lead"] > 0 and new[: d["lead"]].abs().max() > 0  # silence, then noise on it
+    # features: mel warp and SpecAugment masks change them; whole bands/frames are zeroed
+    feats = LogMel().many(waves)[0][None] + 1.0  # no zeros before masking
+    masked = Augment(mel_warp=0.0).features(feats, g)
+    zero_bands = (masked[0] == 0).all(dim=0).sum()
+    assert 1 <= zero_bands <= 2 * 6 and not torch.equal(masked, feats)
+    warped = Augment(freq_masks=0, time_masks=0, mel_warp=0.08).features(feats, g)
+    assert warped.shape == feats.shape and not torch.equal(warped, feats)
+    with pytest.raises(SpokenDigitsDataError, match="snr_db"):
+        Augment(snr_db=(30.0, 10.0))
+
+
+def test_augmentation_is_on_for_training_only(tiny_set: Path):
+    dm = SpokenDigitsDataModule(str(tiny_set.parent), num_workers=0, **TINY)
+    dm.setup("fit")
+    assert dm.datasets["train"].train and not dm.datasets["val"].train
+    assert not dm.datasets["test"].train
+    for split in ("val", "test"):
+        ds = dm.datasets[split]
+        item = ds[0]
+        with torch.no_grad():
+            expected = LogMel()(ds.wave(0))  # exactly the served model's front end
+        assert torch.equal(item["features"], expected) and torch.equal(ds[0]["features"], expected)
+        batched = ds.__getitems__([0, 1])
+        assert torch.equal(batched[0]["features"], expected)
+    train = dm.datasets["train"]
+    first, second = train[0]["features"], train[0]["features"]
+    assert not torch.equal(first, second)
+    assert first.shape[0] <= dm.buckets[-1]
+    # the batched front end is LogMel clip by clip but for each clip's last two frames
+    waves = [train.wave(i) for i in range(3)]
+    for wave, feats in zip(waves, LogMel().many(waves), strict=True):
+        alone = LogMel()(wave)
+        assert feats.shape == alone.shape
+        assert torch.allclose(feats[:-2], alone[:-2], atol=1e-5)
+
+
+def test_default_split_is_large_and_speaker_disjoint():
+    """The default set's plan (no synthesis): >= 800 test clips of voices never trained on."""
+    plan = _plan(_settings(6, None, 0.08, 0.15, 0))
+    voices = {s: {c["speaker"] for c in plan if c["split"] == s} for s in ("train", "val", "test")}
+    test_clips = [c for c in plan if c["split"] == "test"]
+    assert len(test_clips) >= 800 and {c["label"] for c in test_clips} == set(range(10))
+    assert not voices["test"] & (voices["train"] | voices["val"])
+    assert not voices["val"] & voices["train"]
+    assert not set(HELD_OUT_VARIANTS) & set().union(*voices.values())  # kept for held-out
+    assert len({c["voice"].split("+")[0] for c in plan}) >= 8  # every English accent
+
+
+def test_small_test_split_is_refused(tmp_path: Path, tiny_set: Path):
+    import shutil
+
+    # a whole set (speakers=None) is held to the bound: a copy of the tiny one under its key
+    dm = SpokenDigitsDataModule(str(tmp_path), num_workers=0, takes=1, min_test_clips=800)
+    dm._folder = shutil.copytree(tiny_set, tmp_path / "tiny")
+    with pytest.raises(SpokenDigitsDataError, match=r"fewer than data\.min_test_clips=800"):
+        dm.setup("test")
+
+
+def test_run_page_artifacts_in_a_real_mlflow_run(tiny_set: Path, tmp_path: Path):
+    dm = SpokenDigitsDataModule(str(tiny_set.parent), num_workers=0, **TINY)
+    dm.setup("test")
+    y = np.array([c["label"] for c in dm.datasets["test"].clips])
+    pred = y.copy()
+    pred[[0, 3]] = (y[[0, 3]] + 1) % 10  # two misclassified clips
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = AsyncMLflowLogger("page", tracking_uri=uri)
+    metrics = log_class_report(
+        logger, y, pred, labels=dm.class_names, clip=dm.test_clip, max_clips=4
+    )
+    assert logger.close().complete
+    run = mlflow.MlflowClient(uri).get_run(logger.run_id)
+    assert run.data.metrics["test/examples"] == len(y) == metrics["test/examples"]
+    assert run.data.metrics[f"test/accuracy_{dm.class_names[y[0]]}"] < 1.0
+    client = mlflow.MlflowClient(uri)
+    table = Path(client.download_artifacts(run.info.run_id, "tables", str(tmp_path / "dl")))
+    rows = (table / "test_per_class_accuracy.csv").read_text().splitlines()
+    assert rows[0] == "class,examples,correct,accuracy" and len(rows) == 11
+    names = sorted(a.path for a in client.list_artifacts(run.info.run_id, "misclassified"))
+    stem = f"misclassified/0_{dm.class_names[y[0]]}_as_{dm.class_names[pred[0]]}"
+    assert len(names) == 4 and f"{stem}.wav" in names and f"{stem}.png" in names
+    local = client.download_artifacts(run.info.run_id, f"{stem}.wav", str(tmp_path / "w"))
+    wave, rate = sf.read(local, dtype="float32")
+    assert rate == 16000 and np.abs(wave - dm.test_clip(0)["wave"]).max() < 1e-4
+    assert json.dumps(metrics)  # plain floats

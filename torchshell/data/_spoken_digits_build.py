@@ -1,9 +1,11 @@
 """Builds the spoken-digits data set offline: eSpeak NG voices saying "zero" to "nine".
 
-Every voice variant of the ``espeakng-loader`` wheel is one speaker; speakers (not clips) are
-split into train/val/test, so the test voices are unseen in training. Each clip gets a random
-English accent, rate, pitch and pitch range drawn from its own seeded generator, is resampled
-to 16 kHz with torchaudio and written as 16-bit mono WAV. A ``manifest.json`` lists every clip
+Every voice variant of the ``espeakng-loader`` wheel is one speaker (but the few in
+:data:`HELD_OUT_VARIANTS`, kept for a held-out set made apart); speakers (not clips) are split
+into train/val/test, so the test voices are unseen in training. Each clip gets one of the
+wheel's English accents (:data:`ACCENTS`), a rate, pitch and pitch range drawn from its own
+seeded generator (:data:`PROSODY`), is resampled to 16 kHz with torchaudio and written as
+16-bit mono WAV. A ``manifest.json`` lists every clip
 with its SHA-256; the set lives in a folder named by the hash of its settings, so building
 again with the same settings is a no-op (after the checksums verify).
 
@@ -37,7 +39,11 @@ ACCENTS = (
     "en-us-nyc",
 )
 SAMPLE_RATE = 16_000
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Variants in no split of the default set: the voices of a held-out set made apart from it.
+HELD_OUT_VARIANTS = ("Alicia", "Lee", "edward2", "f5", "iven3", "klatt4", "m7", "robosoft6")
+# Prosody ranges of the default set, [low, high): words per minute, pitch, pitch range (0-100).
+PROSODY = {"rate": (110, 300), "pitch": (10, 90), "range": (10, 95)}
 
 
 class SpokenDigitsDataError(ValueError):
@@ -62,7 +68,7 @@ def _settings(
 ) -> dict[str, Any]:
     from torchshell.data._espeak import variant_names
 
-    voices = variant_names()
+    voices = [v for v in variant_names() if v not in HELD_OUT_VARIANTS]
     if speakers is not None:
         if speakers < 3:
             raise SpokenDigitsDataError(
@@ -82,6 +88,7 @@ def _settings(
         "takes": takes,
         "voices": voices,
         "accents": list(ACCENTS),
+        "prosody": {k: list(v) for k, v in PROSODY.items()},
         "val_fraction": val_fraction,
         "test_fraction": test_fraction,
         "seed": seed,
@@ -114,9 +121,9 @@ def _plan(settings: dict[str, Any]) -> list[dict[str, Any]]:
                         "speaker": speaker,
                         "split": split_of[speaker],
                         "voice": f"{accent}+{speaker}",
-                        "rate": int(rng.integers(130, 260)),
-                        "pitch": int(rng.integers(15, 85)),
-                        "range": int(rng.integers(20, 90)),
+                        "rate": int(rng.integers(*settings["prosody"]["rate"])),
+                        "pitch": int(rng.integers(*settings["prosody"]["pitch"])),
+                        "range": int(rng.integers(*settings["prosody"]["range"])),
                         "rand_seed": int(rng.integers(2**31 - 1)),
                     }
                 )
@@ -185,9 +192,9 @@ def _verify(folder: Path) -> dict[str, Any] | None:
 def ensure_spoken_digits(
     root: str | Path | None = None,
     *,
-    takes: int = 4,
+    takes: int = 6,
     speakers: int | None = None,
-    val_fraction: float = 0.12,
+    val_fraction: float = 0.08,
     test_fraction: float = 0.15,
     seed: int = 0,
 ) -> Path:
