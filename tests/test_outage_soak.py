@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import outage_soak
 
 
+@pytest.mark.timeout(1500)  # two server restarts and a run: minutes on 2 shared cores
 def test_an_outage_loses_no_metric_and_the_spill_is_replayed(tmp_path: Path):
     result = outage_soak.soak(tmp_path, "tiny")
     report = outage_soak.table(result)

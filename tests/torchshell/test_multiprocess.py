@@ -287,6 +287,7 @@ def _cluster_run(tmp_path: Path, name: str, envs: list[dict[str, str]], steps: i
     assert codes == [0, 0], logs
 
 
+@pytest.mark.timeout(1500)  # three 2-process runs: minutes on 2 shared cores
 def test_slurm_and_kubernetes_environments_train_like_coreshell_launch(tmp_path: Path):
     """What srun (SLURM) and an Indexed Job (Kubernetes) put in each task's environment,
     given to two local processes with dist.auto=true: the same losses as coreshell launch."""
