@@ -1,6 +1,5 @@
-"""Asynchronous checkpoint saves: a device copy of the state, then a thread that starts
-Orbax's write of it, writes the export from it and commits; one save in flight per
-checkpoint directory in this process."""
+"""Asynchronous checkpoint saves: a device copy of the state, Orbax's background write, a
+commit thread; one save in flight per checkpoint directory in this process."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def device_copy(tree: Any) -> Any:
 
 
 class Pending:
-    """One save in flight: this thread starts Orbax's write of the copy, runs ``extra`` on
-    the copy meanwhile, and commits when Orbax is done."""
+    """One save in flight: Orbax writes the state; this thread commits when it is done."""
 
     def __init__(
         self,
@@ -76,8 +74,7 @@ class Pending:
             return True
 
     def _run(self) -> None:
-        try:  # Orbax's blocking phase (metadata, host copy) runs here, not in the loop
-            self.ckptr.save((self.tmp / "state").absolute(), self.snapshot)
+        try:
             if self.extra is not None:  # meanwhile Orbax writes the state
                 self.extra(self.tmp, self.snapshot)
             self.ckptr.wait_until_finished()

@@ -10,11 +10,10 @@ Each checkpoint is a directory written atomically (a temporary directory, then a
         manifest.json     sha256 of every file above, written last
 
 Saves are asynchronous (one JAX process): the state is first copied on its devices (the
-next train step donates the state's buffers, so the write must own its copy; the copy is
-only dispatched), and a commit thread starts Orbax's write of the copy, runs the ``export``
-hook on the same copy (the torch weights), then writes the manifest and renames the
-directory when Orbax is done; the step loop goes on meanwhile (the training thread only
-dispatches the copy and writes ``lightning.pt``). The next save, a removal of
+next train step donates the state's buffers, so the write must own its copy), Orbax writes
+the copy in the background, and a commit thread runs the ``export`` hook on the same copy
+(the torch weights), then writes the manifest and renames the directory when Orbax is done;
+the step loop goes on meanwhile. The next save, a removal of
 the checkpoint being written, the end of fit and every reader in this process (``verify``,
 ``latest_checkpoint``) wait for it. A kill at any point leaves ``.tmp-*``/``.old-*``
 directories no reader picks; the next run's start sweeps them.
@@ -217,13 +216,13 @@ class OrbaxCheckpointIO(CheckpointIO):
     ) -> None:
         """Writes the checkpoint directory; with several JAX processes every one calls it.
 
-        Asynchronously (one process): returns once the device copy of the state is
-        dispatched, ``on_save`` has run and ``lightning.pt`` is written; Orbax's write,
-        ``export`` and the commit follow in the background. Synchronously (several
-        processes): Orbax writes the (sharded) state from every process into one
-        directory, so the temporary directory has the same name everywhere; ``on_save``
-        and ``export`` run on every process too (they may gather sharded params, a
-        collective) and write files on process 0 only. Process 0 alone writes
+        Asynchronously (one process): returns once the state is copied and Orbax's write is
+        started, ``on_save`` has run and ``lightning.pt`` is written; ``export`` and the
+        commit follow in the background. Synchronously (several processes): Orbax writes
+        the (sharded) state from every process into one directory, so the temporary
+        directory has the same name everywhere; ``on_save`` and ``export`` run on every
+        process too (they may gather sharded params, a collective) and write files on
+        process 0 only. Process 0 alone writes
         ``lightning.pt`` and the manifest and renames the directory, between barriers.
         """
         final = Path(path)
@@ -270,8 +269,9 @@ class OrbaxCheckpointIO(CheckpointIO):
         tmp.mkdir()
         if self._ckptr is None:
             self._ckptr = ocp.StandardCheckpointer()
-        snapshot = device_copy(_savable(self.get_state()))  # dispatched; the thread reads it
+        snapshot = device_copy(_savable(self.get_state()))
         try:
+            self._ckptr.save((tmp / "state").absolute(), snapshot)
             if self.on_save is not None:
                 self.on_save(tmp)
             torch.save(checkpoint, tmp / "lightning.pt")
