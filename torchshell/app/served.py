@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,9 @@ def quiet_pyfunc() -> Iterator[None]:
     """While a pyfunc model is saved or loaded: MLflow's notes that are not the user's.
 
     Each silenced at its source, for the call only: the INFO line ``Validating input example
-    against model signature`` (MLflow runs the example through the model, as asked), the
-    ``Downloading artifacts`` bars (local copies of the run's own files) and the advice to
-    add type hints to ``predict`` (the model's signature is explicit, from
-    :func:`signature`). ``--verbose`` keeps all three.
+    against model signature`` (MLflow runs the example through the model, as asked) and the
+    ``Downloading artifacts`` bars (local copies of the run's own files). ``--verbose`` keeps
+    both.
 
     Example:
         >>> with quiet_pyfunc():
@@ -58,11 +56,7 @@ def quiet_pyfunc() -> Iterator[None]:
     logger.addFilter(drop)
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=r".*Add type hints to the `predict` method", category=UserWarning
-            )
-            yield
+        yield
     finally:
         logger.removeFilter(drop)
         if bar is None:
