@@ -86,17 +86,47 @@ def run_figures(uri: str, run_id: str) -> dict[str, Any]:
     }
 
 
+def twin_predict(safetensors: str, config: str | None = None) -> Any:
+    """``predict({"waveform", "lengths"})`` of the torch twin with exported weights behind
+    its serving front end (what the MLflow model runs), for a run without an MLflow model."""
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+
+    from torchshell.twins.spoken_digits import SpokenDigitsEncoder
+
+    flax = yaml.safe_load(Path(config).read_text())["model"]["flax"] if config else {}
+    keys = ("width", "depth", "heads", "mlp_ratio", "num_classes")
+    twin = SpokenDigitsEncoder(**{k: flax[k] for k in keys if k in flax}).eval()
+    twin.load_state_dict(load_file(safetensors), strict=True)
+    serving = twin.serving()
+
+    def predict(request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            logits = serving(
+                torch.from_numpy(request["waveform"]), torch.from_numpy(request["lengths"])
+            )
+        return {"label": logits.argmax(-1).numpy()}
+
+    return predict
+
+
 def score_heldout(uri: str, run_id: str, batch: int = 32) -> dict[str, tuple[int, int]]:
-    """``{condition: (correct, clips)}`` of the held-out set through the run's MLflow model."""
-    import mlflow
+    """``{condition: (correct, clips)}`` of the held-out set through the run's MLflow model
+    (``uri`` ``twin:WEIGHTS.safetensors[:config.yaml]``: the torch twin with those weights)."""
     import soundfile as sf
 
     from torchshell.data._spoken_digits_heldout import ensure_heldout
 
     folder = ensure_heldout()
     clips = json.loads((folder / "manifest.json").read_text())["clips"]
-    mlflow.set_tracking_uri(uri)
-    model = mlflow.pyfunc.load_model(f"runs:/{run_id}/model")
+    if uri.startswith("twin:"):
+        predict = twin_predict(*uri[5:].split(":"))
+    else:
+        import mlflow
+
+        mlflow.set_tracking_uri(uri)
+        predict = mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict
     tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for start in range(0, len(clips), batch):
         rows = clips[start : start + batch]
@@ -105,7 +135,7 @@ def score_heldout(uri: str, run_id: str, batch: int = 32) -> dict[str, tuple[int
         padded = np.zeros((len(waves), lengths.max()), np.float32)
         for r, w in enumerate(waves):
             padded[r, : w.size] = w
-        labels = model.predict({"waveform": padded, "lengths": lengths})["label"]
+        labels = predict({"waveform": padded, "lengths": lengths})["label"]
         for clip, label in zip(rows, labels, strict=True):
             tally[clip["condition"]][0] += int(label == clip["label"])
             tally[clip["condition"]][1] += 1
@@ -117,12 +147,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--work", type=Path, default=Path("bench-results/speech_accuracy"))
     parser.add_argument("--score", nargs="*", default=[], help="DB_PATH:RUN_ID (no training)")
+    parser.add_argument(
+        "--twin", nargs="*", default=[], help="WEIGHTS.safetensors[:config.yaml]: held-out only"
+    )
     parser.add_argument("overrides", nargs="*", help="extra coreshell train overrides")
     args = parser.parse_args()
     runs = []
     for item in args.score:
         db, run_id = item.rsplit(":", 1)
         runs.append({"seed": "?", "uri": f"sqlite:///{Path(db).resolve()}", "run_id": run_id})
+    for item in args.twin:
+        held = score_heldout(f"twin:{item}", "")
+        correct, total = (sum(v[i] for v in held.values()) for i in (0, 1))
+        per = ", ".join(f"{k} {c / n:.3f}" for k, (c, n) in sorted(held.items()))
+        print(f"{item}: held-out {correct / total:.4f} ({total} clips): {per}", flush=True)
+    if args.twin:
+        return
     if not args.score:
         for seed in args.seeds:
             info = train(seed, args.work.resolve() / f"seed{seed}", args.overrides)
