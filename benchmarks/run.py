@@ -9,6 +9,8 @@ count and the compile cache of one never touch another), in this order:
 - ``train_peers.py``: on the recipes' own data modules, tuned: coreshell (a) against pure
   JAX (b), Keras 3 on JAX (c), PyTorch Lightning (d) and the hand-written hybrid (e), on
   the digits MLP and the spoken-digits encoder; ratios per round; (a)'s time split;
+- ``inference.py``: the spoken-digits encoder served by the jitted JAX core, the torch twin
+  (eager, ``torch.compile``), the pt2 program, ONNX Runtime and ``mlflow models serve``;
 - ``bridge.py``: ``bridge.to_jax`` against the DLPack primitives and a copy;
 - ``compile_cache.py``: cold vs warm start with the persistent compilation cache;
 - ``torch_model.py``: a torch ``nn.Module`` through torchax vs Flax vs Lightning;
@@ -178,7 +180,10 @@ class Bench:
 
 BENCHES = [
     Bench("user_path", "user_path.py", [], ["--tiny"]),
-    Bench("peers", "train_peers.py", [], ["--tiny"]),
+    # tiny: the encoder recipe proves every train_peers row runs; the MLP's peers run in
+    # user_path.py's tiny run (the same peer code, on the user's loader)
+    Bench("peers", "train_peers.py", [], ["--tiny", "--models", "encoder"]),
+    Bench("inference", "inference.py", [], ["--tiny"]),
     Bench("bridge", "bridge.py", ["--quick"], ["--quick"], parse_bridge),
     Bench(
         "compile_cache",

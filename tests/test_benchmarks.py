@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ("digits MLP", "spoken-digits encoder")
+RECIPES = ("spoken-digits encoder",)  # the tiny run's recipe (the MLP: the user-path rows)
 PEERS = ("(b) pure JAX", "(c) Keras 3 (JAX)", "(d) PyTorch Lightning", "(e) hand-written hybrid")
 SPLIT = ("data wait", "bridge", "compute", "loop overhead", "total")
 
@@ -71,6 +71,28 @@ def test_peer_rows(tiny: tuple[dict[str, Any], str], recipe: str) -> None:
     split = {part: cases[f"(a) split: {part}"]["median"] for part in SPLIT}
     assert all(split[p] >= 0 for p in ("data wait", "bridge", "compute"))
     assert sum(split[p] for p in SPLIT[:4]) == pytest.approx(split["total"], rel=1e-6)
+
+
+def test_user_path_rows(tiny: tuple[dict[str, Any], str]) -> None:
+    cases = _cases(tiny[0], "peers/digits MLP, user DataLoader")
+    a = cases["(a) coreshell at its defaults"]
+    assert a["metric"] == "steps/s" and a["median"] > 0 and "(auto)" in a["note"]
+    for peer, target in (("b", 0.8), ("c", 1.1), ("e", 1.2)):
+        (name,) = [c for c in cases if c.startswith(f"({peer}) ")]
+        assert cases[name]["ratio"] == pytest.approx(a["median"] / cases[name]["median"])
+        assert cases[f"a/{peer}"]["note"] == f"target >= {target}"
+
+
+def test_inference_rows(tiny: tuple[dict[str, Any], str]) -> None:
+    cases = _cases(tiny[0], "inference/spoken-digits encoder (random init)")
+    for path in ("JAX core", "torch twin, eager", "torch twin, torch.compile", "pt2", "ONNX"):
+        one = [c for c in cases if c.startswith(path) and c.endswith("batch 1")]
+        many = [c for c in cases if c.startswith(path) and c.endswith("batch 64")]
+        assert len(one) == len(many) == 1, (path, sorted(cases))
+        assert cases[one[0]]["metric"] == "ms" and cases[one[0]]["p99"] >= cases[one[0]]["median"]
+        assert cases[many[0]]["median"] > 0 and "max |diff| vs JAX" in cases[many[0]]["note"]
+    served = cases["mlflow models serve (HTTP, pt2), 4 clients"]
+    assert served["metric"] == "requests/s" and served["median"] > 0
 
 
 def test_other_benchmarks_rows(tiny: tuple[dict[str, Any], str]) -> None:

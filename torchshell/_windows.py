@@ -46,11 +46,15 @@ __all__ = ["WindowPart", "choose_k"]
 
 _PROBE = 3  # timed steps (after one untimed)
 _MAX_K = 16
+SMALL_FLOPS = 1e8
+"""A step below this many FLOPs always windows (the digits MLP: 3e7; the encoder: ~1e9)."""
 TARGET_K = 10
 """Steps per call aimed at for a short step (measured on the digits MLP: 8-16 all gain)."""
 
 
-def choose_k(step_seconds: float, shell_seconds: float, log_every: int) -> int:
+def choose_k(
+    step_seconds: float, shell_seconds: float, log_every: int, flops: float | None = None
+) -> int:
     """K for a measured step: 1 when the step dominates, else about 10 steps per call.
 
     Both times are measured side by side in one run (a loaded machine slows both), so the
@@ -59,12 +63,15 @@ def choose_k(step_seconds: float, shell_seconds: float, log_every: int) -> int:
     hand-over), the spoken-digits encoder's about 30x longer. K=1 when the step takes
     ``>= 4x`` the shell's time; otherwise the divisor of ``log_every`` nearest to
     :data:`TARGET_K` (2 to 16), so that logging steps close windows. A larger K costs only
-    K batches held on the host; the scanned step compiles once whatever K is.
+    K batches held on the host; the scanned step compiles once whatever K is. A step of
+    under :data:`SMALL_FLOPS` (XLA's count) is short whatever the clocks say: on a loaded
+    machine the timed result waits for a busy core, which inflates the step, not the shell.
 
     Args:
         step_seconds: one optimizer step, dispatch to result ready.
         shell_seconds: the wall time between two steps (result ready to the next dispatch).
         log_every: the Trainer's ``log_every_n_steps``.
+        flops: the step's FLOPs from the compiler, when known.
 
     Returns:
         Steps per jitted call.
@@ -72,8 +79,11 @@ def choose_k(step_seconds: float, shell_seconds: float, log_every: int) -> int:
     Example:
         >>> choose_k(0.0004, 0.0008, 50), choose_k(0.0004, 0.0008, 1), choose_k(0.03, 0.001, 50)
         (10, 1, 1)
+        >>> choose_k(0.009, 0.001, 50, flops=3.2e7)  # the MLP timed on a loaded machine
+        10
     """
-    if shell_seconds < 0.25 * step_seconds or log_every < 2:
+    small = flops is not None and flops < SMALL_FLOPS
+    if (shell_seconds < 0.25 * step_seconds and not small) or log_every < 2:
         return 1
     divisors = [d for d in range(2, _MAX_K + 1) if log_every % d == 0]
     if not divisors:
@@ -181,7 +191,8 @@ class WindowPart:
         every = max(int(t.trainer.log_every_n_steps), 1)
         step_s = min(p[0] for p in self._probe)
         shell_s = min(p[1] for p in self._probe)
-        k = self._choose(step_s, shell_s, every) if self._can_window(jbatch, batch) else 1
+        flops = getattr(t.compile_stats, "flops_per_step", None)
+        k = self._choose(step_s, shell_s, every, flops) if self._can_window(jbatch, batch) else 1
         self._k = k
         t._log_to_loggers({"compile/steps_per_call": float(k)})
         return metrics  # type: ignore[no-any-return]

@@ -148,6 +148,8 @@ def test_choose_k_from_the_ratio_of_step_to_shell() -> None:
     assert choose_k(0.0004, 0.0008, 7) == 7
     assert choose_k(0.0004, 0.0008, 1) == 1  # every step logged
     assert choose_k(0.0004, 0.0008, 17) == 1  # a prime past 16: no divisor
+    assert choose_k(0.009, 0.001, 50, flops=3e7) == 10  # a small step timed under load
+    assert choose_k(0.03, 0.001, 50, flops=1e9) == 1
 
 
 def test_steps_per_call_refuses_other_values() -> None:
