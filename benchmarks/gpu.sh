@@ -9,7 +9,9 @@
 # Needs `pip install -e '.[cuda12]'` (jax[cuda12], pinned like jax in pyproject.toml).
 #
 #   benchmarks/gpu.sh             # on the GPU machine
-#   benchmarks/gpu.sh --dry-run   # the same steps on CPU with tiny sizes (run by the suite)
+#   benchmarks/gpu.sh --dry-run   # CPU, tiny sizes (run by the suite): the DLPack test, the
+#                                 # encoder rows and the table; the peers' scripts are left to
+#                                 # tests/test_benchmarks.py (their --tiny runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
