@@ -26,6 +26,8 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -182,11 +184,13 @@ def serve_rate(twin: torch.nn.Module, tmp: Path, requests: int, want: np.ndarray
         serialization_format="pt2",
     )
     port = _free_port()
+    log = (tmp / "serve.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(path), "--env-manager",
          "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the server's workers end with it
     )  # fmt: skip
     body = json.dumps({"inputs": x.tolist()}).encode()
 
@@ -200,14 +204,15 @@ def serve_rate(twin: torch.nn.Module, tmp: Path, requests: int, want: np.ndarray
             return np.asarray(json.loads(r.read())["predictions"], np.float32)
 
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # (gunicorn, torch and the pt2 load: slow under load)
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
                     break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mlflow models serve did not come up") from None
+                    tail = (tmp / "serve.log").read_text()[-3000:]
+                    raise RuntimeError(f"mlflow models serve did not come up:\n{tail}") from None
                 time.sleep(0.5)
         got = post()
         diff = float(np.max(np.abs(got.reshape(want.shape) - want)))
@@ -216,8 +221,9 @@ def serve_rate(twin: torch.nn.Module, tmp: Path, requests: int, want: np.ndarray
             list(pool.map(lambda _: post(), range(requests)))
         rate = requests / (time.perf_counter() - t0)
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+        log.close()
     return _stats.row(
         BENCH,
         "mlflow models serve (HTTP, pt2), 4 clients",
