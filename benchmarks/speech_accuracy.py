@@ -75,7 +75,7 @@ def run_figures(uri: str, run_id: str) -> dict[str, Any]:
     m, p = run.data.metrics, run.data.params
     batch = float(p.get("data.batch_size", 64))
     steps = float(p.get("trainer.max_steps", 600))
-    samples_s = m.get("samples/s", float("nan"))
+    samples_s = m.get("perf/samples_per_s", m.get("samples/s", float("nan")))
     return {
         "test_accuracy": m.get("test/accuracy"),
         "test_examples": m.get("test/examples"),
@@ -109,6 +109,26 @@ def twin_predict(safetensors: str, config: str | None = None) -> Any:
         return {"label": logits.argmax(-1).numpy()}
 
     return predict
+
+
+def score_test_split(predict: Any, batch: int = 32) -> tuple[int, int]:
+    """``(correct, clips)`` of the default set's test split (unseen voices) through ``predict``."""
+    from torchshell.data.spoken_digits import SpokenDigitsDataset, ensure_spoken_digits
+
+    test = SpokenDigitsDataset(ensure_spoken_digits(), "test")
+    correct = 0
+    for start in range(0, len(test), batch):
+        rows = range(start, min(start + batch, len(test)))
+        waves = [test.wave(i).numpy() for i in rows]
+        lengths = np.array([w.size for w in waves], np.int64)
+        padded = np.zeros((len(waves), lengths.max()), np.float32)
+        for r, w in enumerate(waves):
+            padded[r, : w.size] = w
+        labels = predict({"waveform": padded, "lengths": lengths})["label"]
+        correct += sum(
+            int(lab == test.clips[i]["label"]) for lab, i in zip(labels, rows, strict=True)
+        )
+    return correct, len(test)
 
 
 def score_heldout(uri: str, run_id: str, batch: int = 32) -> dict[str, tuple[int, int]]:
@@ -157,6 +177,8 @@ def main() -> None:
         db, run_id = item.rsplit(":", 1)
         runs.append({"seed": "?", "uri": f"sqlite:///{Path(db).resolve()}", "run_id": run_id})
     for item in args.twin:
+        right, clips = score_test_split(twin_predict(*item.split(":")))
+        print(f"{item}: test split {right / clips:.4f} ({clips} clips)", flush=True)
         held = score_heldout(f"twin:{item}", "")
         correct, total = (sum(v[i] for v in held.values()) for i in (0, 1))
         per = ", ".join(f"{k} {c / n:.3f}" for k, (c, n) in sorted(held.items()))
