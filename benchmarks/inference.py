@@ -191,6 +191,8 @@ def serve_rate(twin: torch.nn.Module, tmp: Path, requests: int, want: np.ndarray
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the server's workers end with it
+        # mlflow execs `uvicorn` by name: this interpreter's bin folder first on PATH
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"},
     )  # fmt: skip
     body = json.dumps({"inputs": x.tolist()}).encode()
 
