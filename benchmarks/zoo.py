@@ -37,18 +37,19 @@ def table(rows: list[tuple]) -> str:
         BEGIN,
         f"**{n_ok} of {len(rows)} train with parity ({100 * n_ok / len(rows):.0f}%).**",
         "",
-        "| model | source | result | max rel diff | step ms (torchax, jitted) | step ms "
-        "(torch eager) | torch / torchax | reason |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | source | result | max rel diff | torch vs torch (1e-7 change) | step ms "
+        "(torchax, jitted) | step ms (torch eager) | torch / torchax | reason |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, source, r in rows:
         rel = f"{r['max_rel']:.1e}" if "max_rel" in r else "-"
+        own = f"{r['torch_floor']:.1e}" if "torch_floor" in r else "-"
         jm, tm = r.get("jax_ms"), r.get("torch_ms")
         speed = f"{tm / jm:.2f}" if jm and tm and jm == jm else "-"
         fmt = lambda v: f"{v:.2f}" if v is not None and v == v else "-"  # noqa: E731
         reason = r.get("reason", "").replace("|", "\\|").replace("\n", " ")
         lines.append(
-            f"| {name} | {source} | {r['result']} | {rel} | {fmt(jm)} | {fmt(tm)} "
+            f"| {name} | {source} | {r['result']} | {rel} | {own} | {fmt(jm)} | {fmt(tm)} "
             f"| {speed} | {reason} |"
         )
     lines.append(END)

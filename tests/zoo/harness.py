@@ -5,6 +5,14 @@
 (written once for torch and once for JAX), and reports the largest relative difference of
 any parameter or buffer (``max|jax - torch| / max|torch|`` per tensor), the losses, and the
 median step time of both (the jitted step vs torch eager forward + backward + SGD).
+
+Some nets are chaotic at init under SGD (torchvision's MobileNetV2, EfficientNet and
+ShuffleNetV2 at batch 2): torch trained from weights changed by one float32 rounding (1e-7
+relative) ends 3 steps later as far from torch as JAX does. The control measures that: the
+same torch training from two such perturbed copies gives ``torch_floor`` per step, and
+parity holds when JAX is within ``max(TOL, 2 * torch_floor)`` of torch after *every* step.
+For a well-conditioned net the floor is ~1e-6 and TOL decides; a real mistake shows at the
+first step, where even a chaotic net's floor is small.
 """
 
 from __future__ import annotations
@@ -33,11 +41,14 @@ TOL = 1e-4  # max relative parameter difference after the steps, fp32
 # the bias of a BatchNorm followed by another) holds float noise of ~1e-8 in both
 # frameworks; relative to itself that noise is O(1).
 FLOOR = 1e-2
+PERTURB = 1e-7  # the control: one float32 rounding of every initial weight
 
 
 @dataclass
 class Parity:
-    max_rel: float
+    max_rel: float  # after the last step
+    per_step: list[float]  # JAX vs torch after each step
+    torch_floor: list[float]  # torch vs torch from a 1e-7 change of the weights, per step
     jax_losses: list[float]
     torch_losses: list[float]
     jax_ms: float
@@ -66,6 +77,49 @@ def torch_loss(kind: str, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return per.reshape(rows, -1).mean(1).mean()
 
 
+def max_rel(got: dict[str, Any], want: dict[str, torch.Tensor]) -> float:
+    """The largest ``max|got - want| / max(max|want|, FLOOR)`` over the tensors of ``want``."""
+    rel = 0.0
+    for name, t in want.items():
+        if name not in got or not t.is_floating_point() or not t.numel():
+            continue  # tied duplicates (checked by params_to_state_dict), counters
+        a = np.asarray(got[name], np.float64)
+        b = t.detach().double().numpy()
+        rel = max(rel, float(np.abs(a - b).max() / max(np.abs(b).max(), FLOOR)))
+    return rel
+
+
+def _torch_run(
+    net: torch.nn.Module,
+    batches: Sequence[dict],
+    inputs: Sequence[str],
+    kind: str,
+    pick: Pick,
+    lr: float,
+    perturb: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.nn.Module, list[float], list[dict[str, torch.Tensor]]]:
+    """Plain torch SGD on a copy of ``net`` (weights times ``1 + perturb * N(0, 1)``):
+    the trained copy, the losses, and the ``state_dict`` after each step."""
+    ref = copy.deepcopy(net)
+    if perturb:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(1 + perturb * torch.randn(p.shape, generator=g))
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    ref.train()
+    losses, states = [], []
+    for b in batches:
+        opt.zero_grad()
+        loss = torch_loss(kind, pick(ref(*[b[k] for k in inputs])), b["y"])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        states.append({k: v.clone() for k, v in ref.state_dict().items()})
+    return ref, losses, states
+
+
 def jax_loss(kind: str, pick: Pick) -> jaxcore.LossFn:
     def loss(outputs: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
         z, y = pick(outputs), batch["y"]
@@ -92,7 +146,7 @@ def sgd_parity(
     **fns_kwargs: Any,
 ) -> Parity:
     """N = len(batches) SGD steps both ways; with ``rounds`` > 0 also step times."""
-    ref = copy.deepcopy(net)
+    pristine = copy.deepcopy(net)  # torch's runs start here (tracing may touch ``net``)
     fns = torch_model_fns(net, inputs, **fns_kwargs)
     mesh = jaxcore.make_mesh({"data": 1}, num_devices=1)
     sharding = NamedSharding(mesh, PartitionSpec("data"))
@@ -103,36 +157,28 @@ def sgd_parity(
     step = jaxcore.make_train_step(
         fns, jax_loss(kind, pick), tx, state_sharding=jaxcore.state_shardings(state)
     )
-    jl = []
-    for b in put:
+    ref, tl, torch_states = _torch_run(pristine, batches, inputs, kind, pick, lr)
+    jl, per_step = [], []
+    for b, want in zip(put, torch_states, strict=True):
         state, metrics = step(state, specialise_batch(fns, b))
         jl.append(float(metrics["loss"]))
-
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    ref.train()
-
-    def torch_step(b: dict[str, torch.Tensor]) -> float:
-        opt.zero_grad()
-        loss = torch_loss(kind, pick(ref(*[b[k] for k in inputs])), b["y"])
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    tl = [torch_step(b) for b in batches]
-    trained = {**state.model_state, **state.params}
-    rel = 0.0
-    for name, t in ref.state_dict().items():
-        if name not in trained:
-            continue  # tied duplicates: params_to_state_dict below checks them
-        a = np.asarray(trained[name], np.float64)
-        b = t.detach().double().numpy()
-        if b.size:
-            rel = max(rel, float(np.abs(a - b).max() / max(np.abs(b).max(), FLOOR)))
+        per_step.append(max_rel({**state.model_state, **state.params}, want))
+    # the control: two torch runs from weights one rounding apart
+    _, _, a = _torch_run(pristine, batches, inputs, kind, pick, lr, PERTURB, seed=1)
+    _, _, b = _torch_run(pristine, batches, inputs, kind, pick, lr, PERTURB, seed=2)
+    floor = [max_rel({k: v.numpy() for k, v in x.items()}, y) for x, y in zip(a, b, strict=True)]
     fresh = copy.deepcopy(ref)  # an instance that never met torchax
     fresh.load_state_dict(params_to_state_dict(state.params, state.model_state, fresh), strict=True)
     jax_ms = torch_ms = float("nan")
     if rounds:
         b0, p0 = batches[0], specialise_batch(fns, put[0])
+        opt = torch.optim.SGD(ref.parameters(), lr=lr)
+
+        def torch_step(b: dict[str, torch.Tensor]) -> None:
+            opt.zero_grad()
+            torch_loss(kind, pick(ref(*[b[k] for k in inputs])), b["y"]).backward()
+            opt.step()
+
         jt, tt = [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
@@ -143,7 +189,7 @@ def sgd_parity(
             torch_step(b0)
             tt.append(time.perf_counter() - t0)
         jax_ms, torch_ms = 1e3 * statistics.median(jt), 1e3 * statistics.median(tt)
-    return Parity(rel, jl, tl, jax_ms, torch_ms, step.recompiles)
+    return Parity(per_step[-1], per_step, floor, jl, tl, jax_ms, torch_ms, step.recompiles)
 
 
 def trainer_check(
@@ -170,6 +216,11 @@ def trainer_check(
     trainer.fit(module, loader, loader)
     assert trainer.global_step == 1
     assert np.isfinite(float(jnp.asarray(jax.tree.leaves(module.state.params)[0]).sum()))
+
+
+def bound(floor: float) -> float:
+    """The largest JAX-vs-torch difference that is parity, given torch's own ``floor``."""
+    return max(TOL, 2 * floor)
 
 
 def classify(net: torch.nn.Module, batches: Sequence[dict], entry: Any, rounds: int = 0) -> dict:
@@ -201,12 +252,17 @@ def classify(net: torch.nn.Module, batches: Sequence[dict], entry: Any, rounds: 
             "seconds": time.perf_counter() - t0,
         }
     losses = np.allclose(p.jax_losses, p.torch_losses, rtol=TOL, atol=1e-6)
-    ok = p.max_rel <= TOL
+    ok = all(j <= bound(f) for j, f in zip(p.per_step, p.torch_floor, strict=True))
+    worst = max(range(len(p.per_step)), key=lambda i: p.per_step[i] / bound(p.torch_floor[i]))
     return {
         "result": "parity" if ok else "mismatch",
         "max_rel": p.max_rel,
+        "torch_floor": p.torch_floor[-1],
         "jax_ms": p.jax_ms,
         "torch_ms": p.torch_ms,
         "seconds": time.perf_counter() - t0,
-        "reason": "" if ok else f"max rel diff {p.max_rel:.2e} (tol {TOL}), losses match: {losses}",
+        "reason": ""
+        if ok
+        else f"step {worst + 1}: max rel diff {p.per_step[worst]:.2e} (bound "
+        f"{bound(p.torch_floor[worst]):.2e}), losses match: {losses}",
     }
