@@ -128,7 +128,9 @@ def onnx_fn(twin: torch.nn.Module, tmp: Path) -> Fn:
 
 
 def latency(fn: Fn, requests: int) -> list[float]:
-    """Batch-1 call times in ms (each call on fresh inputs)."""
+    """Batch-1 call times in ms (each call on fresh inputs; after one untimed call, which
+    compiles the batch-1 shape where a path compiles per shape)."""
+    fn(*_inputs(1, seed=requests))
     times = []
     for i in range(requests):
         f, m = _inputs(1, seed=i)
