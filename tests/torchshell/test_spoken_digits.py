@@ -17,7 +17,7 @@ import bridge
 import jaxcore
 from jaxcore.models.spoken_digits import SpokenDigitsEncoder
 from torchshell import JaxModule
-from torchshell.data._spoken_digits_build import HELD_OUT_VARIANTS, _plan, _settings
+from torchshell.data._spoken_digits_build import HELD_OUT_VARIANTS, _plan, _settings, family
 from torchshell.data.spoken_digits import (
     Augment,
     BucketCollate,
@@ -226,6 +226,12 @@ def test_default_split_is_large_and_speaker_disjoint():
     assert not voices["val"] & voices["train"]
     assert not set(HELD_OUT_VARIANTS) & set().union(*voices.values())  # kept for held-out
     assert len({c["voice"].split("+")[0] for c in plan}) >= 8  # every English accent
+    # a family of variants (whisper/whisperf, klatt..klatt6) keeps a member in training
+    trained = {family(v) for v in voices["train"]}
+    for v in voices["test"] | voices["val"]:
+        kin = [w for w in _settings(6, None, 0.08, 0.15, 0)["voices"] if family(w) == family(v)]
+        assert len(kin) == 1 or family(v) in trained, (v, kin)
+    assert family("whisperf") == family("whisper")
 
 
 def test_small_test_split_is_refused(tmp_path: Path, tiny_set: Path):
