@@ -163,6 +163,9 @@ def soak(tmp: Path, mode: str) -> Result:
     cmd = [
         *(sys.executable, "-m", _runs.cli_module(), "train"),
         *("data=digits", "model=digits", "trainer.max_steps=100000000", "trainer.max_epochs=-1"),
+        # one device: the soak is about tracking; an 8-device all-reduce under a loaded
+        # machine can time out its rendezvous (XLA CPU's 40 s), which is not what is measured
+        "mesh=single",
         *(f"trainer.log_every_n_steps={every}", "trainer.enable_progress_bar=false"),
         *("trainer.check_val_every_n_epoch=100000", "test_after_fit=false"),
         *("ckpt.every_n_steps=0", f"ckpt.dir={tmp}/ckpt"),
