@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 # torch and torchaudio are CUDA builds on the registry (~8 GB with their nvidia libraries):
 # they go in first, alone, with the versions pyproject.toml pins (one source of truth).
 TORCH_PINS := $(shell grep -oE '"torch(audio)?==[^"]+"' pyproject.toml | tr -d '"')
+# PyTriton and its client pin numpy<2 / ml-dtypes<=0.5.4, which jax cannot use: installed
+# without their pins (their other requirements come with the `triton` extra of pyproject.toml).
+TRITON_NODEPS := nvidia-pytriton==0.7.0 tritonclient==2.73.0
 STAMP := $(VENV)/.coreshell-$(shell (pwd; cat pyproject.toml) | sha256sum | cut -c1-16)
 
 .PHONY: run test bench lint install
@@ -17,6 +20,7 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PINS)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(TRITON_NODEPS)
 	@rm -f $(VENV)/.coreshell-*
 	@touch $@
 
