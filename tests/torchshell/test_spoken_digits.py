@@ -17,7 +17,13 @@ import bridge
 import jaxcore
 from jaxcore.models.spoken_digits import SpokenDigitsEncoder
 from torchshell import JaxModule
-from torchshell.data._spoken_digits_build import HELD_OUT_VARIANTS, _plan, _settings, family
+from torchshell.data._spoken_digits_build import (
+    HELD_OUT_VARIANTS,
+    _plan,
+    _settings,
+    family,
+    load_manifest,
+)
 from torchshell.data.spoken_digits import (
     Augment,
     BucketCollate,
@@ -270,3 +276,15 @@ def test_run_page_artifacts_in_a_real_mlflow_run(tiny_set: Path, tmp_path: Path)
     wave, rate = sf.read(local, dtype="float32")
     assert rate == 16000 and np.abs(wave - dm.test_clip(0)["wave"]).max() < 1e-4
     assert json.dumps(metrics)  # plain floats
+
+
+def test_two_builders_of_one_set_at_once_both_get_it_whole(tmp_path: Path):
+    """make bench runs scripts in parallel: two builds of the same set must not delete each
+    other's files (each writes its own partial folder; the first complete one wins)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    build = lambda _: ensure_spoken_digits(tmp_path, takes=1, speakers=3)  # noqa: E731
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(build, range(2))
+    assert a == b and len(load_manifest(a)["clips"]) == 30
+    assert [p.name for p in tmp_path.iterdir()] == [a.name]  # no partial folder left

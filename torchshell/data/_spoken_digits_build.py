@@ -21,6 +21,7 @@ import hashlib
 import json
 import multiprocessing
 import shutil
+import tempfile
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -251,9 +252,10 @@ def ensure_spoken_digits(
     if _verify(folder) is not None:
         return folder
     clips = _plan(settings)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # Several processes may build the same set at once (make bench's parallel jobs, a test
+    # beside a run): each writes its own partial folder, and the first complete one wins.
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.partial-", dir=folder.parent))
     # A fresh process: libespeak-ng's state then depends only on the clips spoken, in order.
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
@@ -262,8 +264,14 @@ def ensure_spoken_digits(
         clip["num_samples"], clip["sha256"] = samples, digest
     manifest = {"settings": settings, "clips": clips}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.replace(folder)
+    if _verify(folder) is None:  # not finished by another process meanwhile: a damaged one goes
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            tmp.replace(folder)
+        except OSError:  # another process's complete folder landed first
+            if _verify(folder) is None:
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
