@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from torchshell._errors import ConfigError
-from torchshell.port import _optim_rules as rules
+from torchshell.port._optim_rules import ADAGRAD, ADAM, RMSPROP, SGD, GroupSpec, Rule, grouped
 from torchshell.port._sched import (
     FIX,
     parse_configure_optimizers,
@@ -34,18 +34,18 @@ from torchshell.port._sched import (
 _HARMLESS = ("foreach", "fused", "differentiable", "capturable")
 _BASE = {"lr", "weight_decay", "maximize", *_HARMLESS}
 # torch class -> (rule, the hyperparameters the rule reads from every group)
-_MAPPED: dict[type[torch.optim.Optimizer], tuple[rules.Rule, frozenset[str]]] = {
-    torch.optim.SGD: (rules.SGD, frozenset({*_BASE, "momentum", "dampening", "nesterov"})),
+_MAPPED: dict[type[torch.optim.Optimizer], tuple[Rule, frozenset[str]]] = {
+    torch.optim.SGD: (SGD, frozenset({*_BASE, "momentum", "dampening", "nesterov"})),
     torch.optim.Adam: (
-        rules.ADAM,
+        ADAM,
         frozenset({*_BASE, "beta1", "beta2", "eps", "amsgrad", "decoupled_weight_decay"}),
     ),
     torch.optim.RMSprop: (
-        rules.RMSPROP,
+        RMSPROP,
         frozenset({*_BASE, "alpha", "eps", "momentum", "centered"}),
     ),
     torch.optim.Adagrad: (
-        rules.ADAGRAD,
+        ADAGRAD,
         frozenset({*_BASE, "lr_decay", "initial_accumulator_value", "eps"}),
     ),
 }
@@ -82,7 +82,7 @@ class MappedOptimizer:
 
     tx: optax.GradientTransformation
     lr_names: tuple[str, ...]
-    groups: tuple[rules.GroupSpec, ...]
+    groups: tuple[GroupSpec, ...]
     lr_group: tuple[int, ...]
     description: str
     torch_names: tuple[tuple[str | None, ...], ...] = ()
@@ -196,7 +196,7 @@ def map_configure_optimizers(
         stepping,
     )
     return MappedOptimizer(
-        tx=rules.grouped(rule, groups),
+        tx=grouped(rule, groups),
         lr_names=lr_names,
         groups=tuple(groups),
         lr_group=lr_group,
@@ -215,7 +215,7 @@ def _group_spec(
     record: Mapping[str, list[Any]],
     keys: frozenset[str],
     cycled: frozenset[str],
-) -> rules.GroupSpec:
+) -> GroupSpec:
     cls = type(optimizer).__name__
     const: dict[str, Any] = {}
     tables: dict[str, np.ndarray] = {}
@@ -241,7 +241,7 @@ def _group_spec(
         const[key] = cls == "AdamW" if key == "decoupled_weight_decay" else False
     if cls == "AdamW":
         const["decoupled_weight_decay"] = True
-    return rules.GroupSpec(names, const, tables)
+    return GroupSpec(names, const, tables)
 
 
 def _cycled(configs: list[LRSchedulerConfig]) -> frozenset[str]:
