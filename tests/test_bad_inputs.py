@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -365,3 +366,43 @@ def test_negative_lengths_and_masks_of_the_wrong_length_are_named(extra: dict, n
         _fit([{**_batch(), **extra}])
     assert named in str(err.value) and "Fix:" in str(err.value)
     _fit([{**_batch(), "lengths": torch.full((ROWS,), 64), "x_mask": torch.ones(ROWS, 64)}])
+
+
+class _LengthTagger(L.LightningModule):
+    """A team's own module: dict batches, a mask built from ``lengths``, a torch loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(64, 10)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        keep = torch.arange(64)[None, :] < batch["lengths"][:, None]
+        logits = self.net(batch["x"] * keep)
+        return torch.nn.functional.cross_entropy(logits, batch["y"].long())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"lengths": torch.tensor([64] * (ROWS - 1) + [-3])}, "'lengths' holds -3 at row 15"),
+        (
+            {"lengths": torch.full((ROWS,), 64), "x_mask": torch.ones(ROWS, 63)},
+            "'x_mask' has shape [16, 63]",
+        ),
+    ],
+    ids=["negative-length", "field-mask-of-wrong-length"],
+)
+def test_a_ported_lightning_module_gets_the_same_length_and_mask_checks(extra: dict, named: str):
+    def fit(batch: dict[str, torch.Tensor]) -> JaxModule:
+        module = JaxModule.from_lightning(_LengthTagger(), print_summary=False)
+        trainer = quiet_trainer(max_steps=1, log_every_n_steps=1)
+        trainer.fit(module, train_dataloaders=DataLoader(_Batches([batch]), batch_size=None))
+        return module
+
+    with pytest.raises(jaxcore.BatchError) as err:
+        fit({**_batch(), **extra})
+    assert named in str(err.value) and "Fix:" in str(err.value)
+    assert fit({**_batch(), "lengths": torch.full((ROWS,), 64)}).state is not None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -147,6 +148,14 @@ class TorchTracer:
             stack.enter_context(torch.inference_mode(False))
             stack.enter_context(torch.no_grad())
             stack.enter_context(patterns.tracing())
+            # JAX runs with x64 off, so torchax narrows in-graph int64 (torch's default for
+            # arange, .long(), argmax) to int32 and says so at every such op: the documented
+            # policy (docs/porting.md), not something the user's module can change. float64
+            # narrowing changes numerics and keeps its warning.
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings(
+                "ignore", "Explicitly requested dtype int64 requested in astype", UserWarning
+            )
             where = f"{type(self.module).__name__} ({'train' if train else 'eval'} mode)"
             return patterns.explore(
                 lambda decisions: self._run(

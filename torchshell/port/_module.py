@@ -34,6 +34,7 @@ import bridge
 import jaxcore
 from torchshell import _state_io
 from torchshell._errors import ConfigError
+from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_state import state_from_torch, state_to_torch
@@ -261,6 +262,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
 
     # -- hand-over: the user's structure, no padding -------------------------------------------
     def _prepare(self, batch: Any) -> Any:
+        if isinstance(batch, Mapping):  # named fields: negative lengths, misfit masks
+            check_lengths_and_masks(batch)
         self.port.embeddings.check(batch)  # (the fields are known once the step is traced)
         return batch
 
