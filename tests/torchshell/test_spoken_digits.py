@@ -32,6 +32,7 @@ from torchshell.data.spoken_digits import (
     SpokenDigitsDataModule,
     SpokenDigitsDataset,
     ensure_spoken_digits,
+    trim_clips,
 )
 from torchshell.tracking import AsyncMLflowLogger
 from torchshell.tracking._artifacts import log_class_report
@@ -205,8 +206,8 @@ def test_augmentation_is_on_for_training_only(tiny_set: Path):
     for split in ("val", "test"):
         ds = dm.datasets[split]
         item = ds[0]
-        with torch.no_grad():
-            expected = LogMel()(ds.wave(0))  # exactly the served model's front end
+        with torch.no_grad():  # exactly the served model's front end
+            expected = trim_clips([LogMel()(ds.wave(0))])[0]
         assert torch.equal(item["features"], expected) and torch.equal(ds[0]["features"], expected)
         batched = ds.__getitems__([0, 1])
         assert torch.equal(batched[0]["features"], expected)
@@ -220,6 +221,40 @@ def test_augmentation_is_on_for_training_only(tiny_set: Path):
         alone = LogMel()(wave)
         assert feats.shape == alone.shape
         assert torch.allclose(feats[:-2], alone[:-2], atol=1e-5)
+
+
+def test_silence_trimming_is_the_same_in_the_data_and_the_served_model(tiny_set: Path):
+    """A clip with 1 s of leading silence: the served model sees the clip's own frames (at
+    most ``pad`` silence frames before them), and the data set's item is the served frames."""
+    ds = SpokenDigitsDataset(tiny_set, "test")
+    serving = Twin(**SMALL_MODEL).eval().serving()
+    wave = ds.wave(3)
+    lead = torch.cat([torch.zeros(16_000), wave])  # 100 frames exactly
+    noisy = lead + 0.003 * torch.randn(lead.shape, generator=torch.Generator().manual_seed(0))
+    waves = [wave, lead, noisy, torch.zeros(8000)]
+    lengths = torch.tensor([w.numel() for w in waves])
+    padded = torch.zeros(len(waves), int(lengths.max()))
+    for row, w in enumerate(waves):
+        padded[row, : w.numel()] = w
+    with torch.no_grad():
+        feats, mask = serving.features(padded, lengths)
+        logits = serving(padded, lengths)
+        untrimmed = serving.encoder(*serving.log_mel(padded, lengths))
+    kept = mask.sum(1).tolist()
+    word = feats[0, 2 : kept[0]]  # the clip's kept frames past the two its start pads
+    assert kept[1] >= kept[0]  # the lead clip keeps the word, and a few frames before it
+    assert any(torch.allclose(feats[1, k : k + len(word)], word, atol=1e-5) for k in range(12))
+    assert kept[3] >= 8 and torch.isfinite(logits).all()  # silence alone keeps a few frames
+    assert kept[2] <= kept[1] + 8  # trimmed under noise too
+    moved = (logits[1] - logits[0]).abs().max()
+    assert moved < 0.25 * (untrimmed[1] - untrimmed[0]).abs().max()
+    # the data set's items are the served model's frames, clip by clip
+    for row, w in enumerate(waves):
+        item = trim_clips([LogMel()(w)])[0]
+        assert item.shape[0] == kept[row] and torch.allclose(
+            item, feats[row, : kept[row]], atol=1e-5
+        )
+    assert torch.equal(ds[3]["features"], trim_clips([LogMel()(wave)])[0])
 
 
 def test_default_split_is_large_and_speaker_disjoint():

@@ -137,7 +137,7 @@ class Augment:
 
     speeds: Sequence[float] = (0.9, 0.95, 1.0, 1.05, 1.1)
     gain_db: float = 6.0
-    max_lead_s: float = 0.25
+    max_lead_s: float = 0.6
     max_trail_s: float = 0.1
     snr_db: Sequence[float] = (10.0, 30.0)
     noise_p: float = 0.7

@@ -3,8 +3,9 @@
 WAVs (16 kHz mono, built offline by :func:`ensure_spoken_digits`) are read in the workers,
 resampled where needed, augmented for training (speed perturbation, gain, leading/trailing
 silence, colored noise at 10-30 dB SNR; then a mel warp and SpecAugment masks on the features:
-see :mod:`torchshell.data._augment`), turned into a log-mel spectrogram and collated into a few
-length buckets with a frame mask:
+see :mod:`torchshell.data._augment`), turned into a log-mel spectrogram, their silence
+trimmed (:func:`trim_silence`, as the served model does) and collated into a few length
+buckets with a frame mask:
 ``{"features": float32[B, T, n_mels], "frame_mask": bool[B, T], "y": int32[B]}``.
 A training batch is fetched whole (``__getitems__``): one resampling call per speed and one
 mel spectrogram per batch, ~4x cheaper per clip than clip by clip.
@@ -32,6 +33,7 @@ from torchshell.data._spoken_digits_build import (
     ensure_spoken_digits,
     load_manifest,
 )
+from torchshell.data._spoken_digits_trim import trim_clips, trim_silence
 
 __all__ = [
     "DIGITS",
@@ -44,6 +46,8 @@ __all__ = [
     "SpokenDigitsDataset",
     "default_root",
     "ensure_spoken_digits",
+    "trim_clips",
+    "trim_silence",
 ]
 
 
@@ -111,6 +115,8 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
 
     Training items are augmented (:class:`~torchshell.data._augment.Augment`); validation
     and test items are exactly :class:`LogMel` of the clip, as the served model computes it.
+    Every item's silence is trimmed (:func:`trim_silence`: the voiced span first), as the
+    served model trims it.
 
     Args:
         folder: a folder made by :func:`ensure_spoken_digits`.
@@ -184,7 +190,8 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
             return [self[i] for i in indices]
         with torch.no_grad():
             waves, _ = self.augment.waves([self.wave(i) for i in indices])
-            feats = [f[: self.max_frames] for f in self.features.many(waves)]
+            # silence trimmed after the waveform augmentation, before the crop and SpecAugment
+            feats = [f[: self.max_frames] for f in trim_clips(self.features.many(waves))]
             lengths = [f.shape[0] for f in feats]
             padded = torch.zeros(len(feats), max(lengths), feats[0].shape[1])
             for row, f in enumerate(feats):
@@ -199,7 +206,7 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
         if self.train:
             return self.__getitems__([i])[0]
         with torch.no_grad():
-            return self._item(self.features(self.wave(i)), i)
+            return self._item(trim_clips([self.features(self.wave(i))])[0], i)
 
 
 class BucketCollate:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from torchshell.data.spoken_digits import SAMPLE_RATE, LogMel
+from torchshell.data.spoken_digits import SAMPLE_RATE, LogMel, trim_silence
 
 
 def sinusoids(length: int, channels: int) -> torch.Tensor:
@@ -150,7 +150,10 @@ class SpokenDigitsServing(nn.Module):
     their true lengths (``lengths[B]``, in samples). Each clip's features are exactly what
     :class:`~torchshell.data.spoken_digits.LogMel` gives that clip alone (the reflect padding
     at each clip's own end, the peak normalisation over its own frames), so padding never
-    changes a clip's logits; both axes stay dynamic under ``torch.export``.
+    changes a clip's logits; then each clip's silence is trimmed
+    (:func:`~torchshell.data.spoken_digits.trim_silence`: its voiced span moved to frame 0, as
+    the data set trims every training and test item); both axes stay dynamic under
+    ``torch.export``.
 
     Args:
         encoder: the trained twin.
@@ -184,7 +187,15 @@ class SpokenDigitsServing(nn.Module):
     def features(
         self, waveform: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(features[B, T, n_mels], frame_mask[B, T])`` of a padded batch of 16 kHz clips."""
+        """``(features[B, T, n_mels], frame_mask[B, T])`` of a padded batch of 16 kHz clips:
+        what the encoder (torch or JAX) is fed, :meth:`log_mel` with its silence trimmed."""
+        return trim_silence(*self.log_mel(waveform, lengths))
+
+    def log_mel(
+        self, waveform: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each clip's :class:`~torchshell.data.spoken_digits.LogMel` frames, padded, with
+        their mask (no trimming)."""
         import torchaudio
 
         mel = self.front_end.mel
