@@ -118,7 +118,7 @@ def test_mlflow_models_serve_over_http_any_length_and_a_mixed_batch(run: dict):
     from omegaconf import OmegaConf
 
     import bridge
-    from torchshell.data.spoken_digits import LogMel
+    from torchshell.data.spoken_digits import LogMel, trim_clips
 
     port = _free_port()
     bin_dir = str(Path(sys.executable).parent)  # MLflow execs `uvicorn` from PATH
@@ -167,7 +167,7 @@ def test_mlflow_models_serve_over_http_any_length_and_a_mixed_batch(run: dict):
         mixed = np.asarray(body["predictions"]["logits"], np.float32)
         assert mixed.shape == (3, 10) and np.abs(mixed - np.stack(singles)).max() < 1e-4
 
-        # the JAX model on the training features of the clips that fit a training bucket
+        # the JAX model on the training features (trimmed) of the clips that fit a bucket
         cfg = OmegaConf.load(run["dir"] / "config.yaml")
         model = instantiate(cfg.model.flax, _convert_="all")
         feats, mask = (t.numpy() for t in twin.example_input(2))
@@ -176,7 +176,8 @@ def test_mlflow_models_serve_over_http_any_length_and_a_mixed_batch(run: dict):
         )
         bucket = max(cfg.data.buckets)
         for clip, served in zip(clips, singles, strict=True):
-            features = LogMel(n_mels=cfg.data.n_mels)(torch.from_numpy(clip)).numpy()
+            features = LogMel(n_mels=cfg.data.n_mels)(torch.from_numpy(clip))
+            features = trim_clips([features])[0].numpy()  # the data set's item of the clip
             if len(features) > bucket:
                 continue
             f = np.zeros((1, bucket, features.shape[1]), np.float32)
