@@ -84,7 +84,7 @@ def test_features_shapes_dtypes_and_buckets(tiny_set: Path):
     assert batch["features"].dtype == torch.float32 and batch["frame_mask"].dtype == torch.bool
     assert batch["y"].dtype == torch.int32 and batch["y"].shape == (8,)
     assert batch["features"].shape[0] == 8 and batch["features"].shape[2] == 40
-    assert dm.buckets == (64, 128, 160) and batch["features"].shape[1] in dm.buckets
+    assert dm.buckets == (64, 96, 160) and batch["features"].shape[1] in dm.buckets
     lengths = batch["frame_mask"].sum(1)
     assert (lengths > 10).all() and (batch["features"][~batch["frame_mask"]] == 0).all()
     # evaluation features are deterministic; training ones are augmented

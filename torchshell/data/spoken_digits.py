@@ -302,7 +302,7 @@ class SpokenDigitsDataModule(SplitDataModule):
         test_fraction: float = 0.15,
         split_seed: int = 0,
         n_mels: int = 40,
-        buckets: Sequence[int] = (64, 128, 160),
+        buckets: Sequence[int] = (64, 96, 160),
         augment: bool = True,
         augment_options: Mapping[str, Any] | None = None,
         min_test_clips: int = 0,
