@@ -146,3 +146,38 @@ def test_onnx_export_of_the_two_input_speech_twin_has_dynamic_batch_and_time(tmp
             (got,) = session.run(None, feeds)
             want = np.asarray(model.apply({"params": params}, features[:rows], frame_mask[:rows]))
             assert got.shape == (rows, 10) and np.abs(got - want).max() < 1e-4, frames
+
+
+class _Trim(torch.nn.Module):
+    """The speech front end's silence trimming as a module of its own (the mask as float)."""
+
+    dynamic_axes = ({0: "batch", 1: "frames"}, {0: "batch", 1: "frames"})
+    check_lengths = (21, 64, 501)
+
+    def forward(self, features: torch.Tensor, frame_mask: torch.Tensor):
+        from torchshell.data.spoken_digits import trim_silence
+
+        kept, mask = trim_silence(features, frame_mask)
+        return kept, mask.to(kept.dtype)
+
+    def example_input(self, batch: int = 2, frames: int = 64):
+        g = torch.Generator().manual_seed(frames)
+        features = torch.rand(batch, frames, 40, generator=g) * 0.1  # near-silence
+        lengths = torch.randint(frames // 2, frames + 1, (batch,), generator=g)
+        for row, n in enumerate(lengths.tolist()):  # a loud span somewhere in each clip
+            start = int(torch.randint(0, max(n - 8, 1), (), generator=g))
+            features[row, start : start + 8] += 1.0
+        return features, torch.arange(frames)[None] < lengths[:, None]
+
+
+def test_silence_trimming_exports_to_onnx_with_dynamic_batch_and_time(tmp_path: Path):
+    """The gather-based trimming (static shapes, data-dependent indices) through
+    onnxruntime: batch 1 and 5 at 21, 64 and 501 frames, equal to torch."""
+    from torchshell.export import ONNX_ATOL, write_onnx
+
+    trim = _Trim()
+    features, mask = trim.example_input(3, 64)
+    _, kept_mask = trim(features, mask)
+    assert bool((kept_mask.sum(1) < mask.sum(1)).all())  # the silence went
+    diff = write_onnx(trim, tmp_path / "trim.onnx")
+    assert diff is not None and diff <= ONNX_ATOL
