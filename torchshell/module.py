@@ -28,10 +28,12 @@ from torchshell._module_parts import (
     HandOverPart,
     TrainerFlagsPart,
 )
+from torchshell._torch_loss import is_torch_loss, torch_loss_fn
 from torchshell._train_log import TrainLog, find_lrs, fresh
 from torchshell._windows import WindowPart, resolve_steps_per_call
 from torchshell.checkpoint import restore_state
 from torchshell.port._module import LightningParts
+from torchshell.port._optim import map_configure_optimizers
 from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -121,6 +123,16 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.batch_keys = tuple(batch_keys)
         names = [self._input_name(i) for i in inputs]
         self.model_fns = model if isinstance(model, ModelFns) else jaxcore.linen_model(model, names)
+        if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
+            label = next((k for k in self.batch_keys if k not in names), "y")
+            loss_fn = torch_loss_fn(loss_fn, label_key=label)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "
+                "the torch module's own parameters. Fix: JaxModule.from_torch(module, loss, "
+                "optimizer) or from_lightning, or an optax transform here "
+                "(jaxcore.make_optimizer('adamw', lr=...))."
+            )
         self.loss_fn = loss_fn
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else jaxcore.make_mesh({data_axis: -1})
@@ -176,8 +188,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     def from_torch(
         cls,
         module: torch.nn.Module,
-        loss_fn: LossFn,
-        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn | torch.nn.Module,
+        optimizer: optax.GradientTransformation | torch.optim.Optimizer,
         *,
         inputs: Sequence[str | int] = ("x",),
         **kwargs: Any,
@@ -187,9 +199,33 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         Its weights are the params (keyed by ``state_dict`` names), its buffers the model
         state; ``module`` itself is not changed by training: :meth:`torch_state_dict` gives
         the trained ``state_dict``, which ``module.load_state_dict(..., strict=True)`` takes.
+
+        Args:
+            module: the team's ``nn.Module``.
+            loss_fn: a torch loss (``nn.CrossEntropyLoss()``, ``F.mse_loss``: run by torchax
+                in the step, its ``reduction="mean"`` reproduced exactly over the real rows;
+                see :mod:`torchshell._torch_loss`) or a JAX ``loss_fn(outputs, batch)``.
+            optimizer: a ``torch.optim`` optimizer over ``module.parameters()`` (SGD, Adam,
+                AdamW, RMSprop, Adagrad with torch's update math and param groups) or an
+                optax transform.
+            inputs: the batch fields (or tuple positions) fed to ``module.forward``.
+            **kwargs: :class:`JaxModule` options.
+
+        Example:
+            >>> net = torch.nn.Linear(4, 3)
+            >>> jm = JaxModule.from_torch(net, torch.nn.CrossEntropyLoss(),
+            ...                           torch.optim.SGD(net.parameters(), lr=0.1),
+            ...                           print_summary=False)
+            >>> type(jm).__name__
+            'JaxModule'
         """
         from torchshell.torch_model import torch_model_fns
 
+        if isinstance(optimizer, torch.optim.Optimizer):  # torch's update math, its groups
+            trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+            optimizer = map_configure_optimizers(
+                optimizer, trainable, steps_per_epoch=None, total_steps=1
+            ).tx
         keys = tuple(kwargs.get("batch_keys", ("x", "y")))
         names = [keys[i] if isinstance(i, int) else i for i in inputs]
         jm = cls(torch_model_fns(module, names), loss_fn, optimizer, inputs=names, **kwargs)

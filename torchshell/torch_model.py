@@ -154,7 +154,7 @@ class TorchTracer:
             # narrowing changes numerics and keeps its warning.
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings(
-                "ignore", "Explicitly requested dtype int64 requested in astype", UserWarning
+                "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
             )
             where = f"{type(self.module).__name__} ({'train' if train else 'eval'} mode)"
             return patterns.explore(

@@ -1,0 +1,136 @@
+"""JaxModule.from_torch with the team's own torch loss and torch optimizer, against the same
+module trained by a plain torch loop (real Lightning Trainer, plain TensorDatasets)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import jaxcore
+from jaxcore.models.digits import MLP
+from tests.helpers import quiet_trainer
+from torchshell import JaxModule
+from torchshell._errors import ConfigError
+
+ROWS, FEATURES, OUT = 48, 6, 3
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, OUT))
+
+
+def _classes(ignored: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, FEATURES, generator=g)
+    y = torch.randint(0, OUT, (ROWS,), generator=g)  # int64, as torch users store labels
+    if ignored:
+        y[::5] = -100
+    return TensorDataset(x, y)
+
+
+def _targets(binary: bool) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(ROWS, FEATURES, generator=g)
+    y = (x[:, :OUT] > 0).float() if binary else x[:, :OUT] * 2.0 + 0.5
+    return TensorDataset(x, y)
+
+
+def _groups(net: nn.Module) -> list[dict[str, Any]]:
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+CASES: dict[str, tuple[Callable[[], Any], Callable[[nn.Module], Any], TensorDataset]] = {
+    "CrossEntropyLoss(label_smoothing) + SGD(nesterov)": (
+        lambda: nn.CrossEntropyLoss(label_smoothing=0.1),
+        lambda n: torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+        _classes(),
+    ),
+    "CrossEntropyLoss(weight, ignore_index) + AdamW groups": (
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0])),
+        lambda n: torch.optim.AdamW(_groups(n), lr=1e-2),
+        _classes(ignored=True),
+    ),
+    "MSELoss + Adam": (
+        nn.MSELoss,
+        lambda n: torch.optim.Adam(n.parameters(), lr=1e-2),
+        _targets(False),
+    ),
+    "F.cross_entropy + RMSprop": (
+        lambda: F.cross_entropy,
+        lambda n: torch.optim.RMSprop(n.parameters(), lr=1e-2),
+        _classes(),
+    ),
+    "BCEWithLogitsLoss(pos_weight) + Adagrad": (
+        lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([0.5, 2.0, 1.0])),
+        lambda n: torch.optim.Adagrad(n.parameters(), lr=0.1),
+        _targets(True),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_own_torch_loss_and_optimizer_train_like_plain_torch(case: str) -> None:
+    make_loss, make_opt, data = CASES[case]
+    loader = DataLoader(data, batch_size=12, shuffle=False)
+    net = _net()
+    jm = JaxModule.from_torch(net, make_loss(), make_opt(net), print_summary=False)
+    trainer = quiet_trainer(max_steps=8, max_epochs=-1)
+    trainer.fit(jm, loader)
+    assert trainer.global_step == 8
+
+    ref = _net()
+    opt, loss_fn = make_opt(ref), make_loss()
+    steps = 0
+    while steps < 8:
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(ref(x), y).backward()
+            opt.step()
+            steps += 1
+            if steps == 8:
+                break
+    for name, value in ref.state_dict().items():
+        np.testing.assert_allclose(
+            jm.torch_state_dict()[name].numpy(), value.numpy(), rtol=2e-5, atol=2e-6, err_msg=name
+        )
+
+
+def test_validation_loss_of_a_torch_loss_is_torchs_mean_over_the_real_rows() -> None:
+    """40 rows in batches of 16: the last batch is padded to 16 and masked; the validation
+    loss is still torch's cross entropy over exactly the 40 rows."""
+    net = _net()
+    jm = JaxModule.from_torch(
+        net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.1), print_summary=False
+    )
+    val = TensorDataset(*(t[:40] for t in _classes().tensors))
+    trainer = quiet_trainer(max_steps=1, max_epochs=-1)
+    trainer.fit(jm, DataLoader(_classes(), batch_size=16))
+    (metrics,) = trainer.validate(jm, DataLoader(val, batch_size=16), verbose=False)
+    trained = _net()
+    trained.load_state_dict(jm.torch_state_dict())
+    with torch.no_grad():
+        expected = F.cross_entropy(trained(val.tensors[0]), val.tensors[1]).item()
+    assert metrics["val/loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_torch_optimizer_without_a_torch_module_and_a_loss_without_reduction_are_named() -> None:
+    net = _net()
+    with pytest.raises(ConfigError, match="from_torch"):
+        JaxModule(MLP(features=(8,)), nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters()))
+
+    class Scalar(nn.Module):  # a custom loss module with no `reduction`
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return (out - y).pow(2).mean()
+
+    with pytest.raises(ConfigError, match="reduction='none'"):
+        JaxModule.from_torch(net, Scalar(), jaxcore.make_optimizer(), print_summary=False)
