@@ -104,7 +104,7 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
         >>> fn = torch_loss_fn(torch.nn.CrossEntropyLoss())
         >>> loss, metrics = fn(jnp.array([[0.0, 9.0], [9.0, 0.0]]), {"y": jnp.array([1, 1])})
         >>> [round(float(v), 4) for v in loss], float(metrics["accuracy"].mean())
-        [0.0001, 9.0001], 0.5
+        ([0.0001, 9.0001], 0.5)
     """
     from torchax.interop import call_torch
 

@@ -53,6 +53,7 @@ from torchshell.app._doctor_shapes import _buckets, _sample_checks
 from torchshell.app.config import Config, compose_config, typed
 from torchshell.app.failures import BAD_INPUT, our_errors, report
 from torchshell.app.prepare import build, prepare_run
+from torchshell.data import stop_workers
 
 __all__ = ["FAIL", "OK", "WARN", "Check", "compose_config", "doctor_command", "run_checks"]
 
@@ -101,6 +102,7 @@ def run_checks(cfg: Config | DictConfig) -> list[Check]:
         return checks
     try:
         batch = dict(next(iter(loader)))
+        stop_workers(loader)  # one batch is all the checks need
     except StopIteration:
         checks.append(
             Check(

@@ -11,22 +11,30 @@ import torch
 
 from torchshell.app import quiet
 from torchshell.app.served import log_waveform_model
+from torchshell.data import stop_workers
 from torchshell.export import export_module, max_abs_diff
 from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
 from torchshell.tracking._artifacts import log_class_report
 
 
-def predict_test_split(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray]:
+def predict_test_split(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray, Any]:
     """JAX logits over the whole test split, and the labels (every process must call it).
 
+    One pass over one loader, whose workers are stopped at its end.
+
     Returns:
-        ``(labels per batch or None, logits [N, C])``.
+        ``(labels per batch or None, logits [N, C], the first batch)``.
     """
-    labels, logits = [], []
-    for batch in data.test_dataloader():
-        logits.append(module.predict_step(batch, 0).numpy())
-        labels.append(batch[label_key].numpy() if label_key in batch else None)
-    return labels, np.concatenate(logits)
+    labels, logits, first = [], [], None
+    loader = data.test_dataloader()
+    try:
+        for batch in loader:
+            first = batch if first is None else first
+            logits.append(module.predict_step(batch, 0).numpy())
+            labels.append(batch[label_key].numpy() if label_key in batch else None)
+    finally:
+        stop_workers(loader)
+    return labels, np.concatenate(logits), first
 
 
 def servable(twin: torch.nn.Module) -> tuple[torch.nn.Module, np.ndarray]:
@@ -86,8 +94,7 @@ def publish(
         ``{"export": path, "parity_max_abs_diff": float, "test_accuracy": float | None}``.
     """
     export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
-    labels, logits = predict_test_split(module, data)
-    batch = next(iter(data.test_dataloader()))
+    labels, logits, batch = predict_test_split(module, data)
     with torch.no_grad():
         torch_logits = twin(*(batch[k] for k in inputs))
     parity = max_abs_diff(logits[: len(torch_logits)], torch_logits)

@@ -26,6 +26,7 @@ from torchshell.app.config import Config, TrainerConfig, plain
 from torchshell.app.prepare import Prepared, build, prepare_run
 from torchshell.app.publish import predict_test_split, publish
 from torchshell.checkpoint import CheckpointOnSigterm, OrbaxCheckpointIO, latest_checkpoint, verify
+from torchshell.data import stop_workers
 from torchshell.export import export_twin
 from torchshell.module import JaxModule
 from torchshell.torch_model import params_to_state_dict
@@ -207,10 +208,7 @@ def _stop_workers(trainer: L.Trainer) -> None:
             value = list(value.values())
         loaders += value if isinstance(value, list | tuple) else [value]
     for loader in loaders:
-        workers = getattr(loader, "_iterator", None)
-        if workers is not None and hasattr(workers, "_shutdown_workers"):
-            workers._shutdown_workers()  # sends each worker its stop and joins it
-            loader._iterator = None
+        stop_workers(loader)
 
 
 def _trainer_args(trainer: TrainerConfig, main: bool) -> dict[str, Any]:

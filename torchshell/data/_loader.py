@@ -39,6 +39,27 @@ def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
     }
 
 
+def stop_workers(loader: Any) -> None:
+    """Stops a DataLoader's worker processes now and waits for them (persistent ones too).
+
+    A ``persistent_workers`` loader keeps its workers alive for the next epoch; dropped
+    mid-pass, its iterator leaves them to garbage collection or the interpreter's exit.
+    Whoever iterates a loader for a fixed pass (export, parity, the run page) calls this when
+    done, so workers end in a known place. A loader without workers is left as it is.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(4), batch_size=2)
+        >>> [b.tolist() for b in loader]
+        [[0, 1], [2, 3]]
+        >>> stop_workers(loader)
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()  # sends each worker its stop and joins it
+        loader._iterator = None
+
+
 class GatheredRows(Sequence[dict[str, torch.Tensor]]):
     """A batch a dataset gathered at once (``__getitems__``), still a sequence of rows.
 
