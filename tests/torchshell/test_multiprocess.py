@@ -79,8 +79,11 @@ def _close(ours: dict, theirs: dict, what: str) -> None:
         assert gap < 1e-5, (what, name, gap)
 
 
-def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # MLflow's artifact store of the in-process runs
+@pytest.fixture(scope="module")
+def launched_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`coreshell launch` of a dp,fsdp multirun on 2 processes x 4 devices, STEPS steps each,
+    a checkpoint at the end: run once, read by the dp/fsdp test and the cluster test."""
+    tmp_path = tmp_path_factory.mktemp("launched")
     launched_uri = f"sqlite:///{tmp_path}/launched.db"
     sweep = tmp_path / "sweep"
     _launch(
@@ -98,6 +101,14 @@ def test_two_processes_match_one_process_with_dp_and_fsdp(tmp_path: Path, monkey
             f"hydra.sweep.dir={sweep}",
         ],
     )
+    return tmp_path
+
+
+def test_two_processes_match_one_process_with_dp_and_fsdp(launched_sweep: Path, monkeypatch):
+    tmp_path = launched_sweep
+    monkeypatch.chdir(tmp_path)  # MLflow's artifact store of the in-process runs
+    launched_uri = f"sqlite:///{tmp_path}/launched.db"
+    sweep = tmp_path / "sweep"
     # only process 0 logs: one MLflow run per job, not one per process
     launched = _losses(launched_uri, "launched")
     assert sorted(launched) == ["dp", "fsdp"]
@@ -288,23 +299,13 @@ def _cluster_run(tmp_path: Path, name: str, envs: list[dict[str, str]], steps: i
 
 
 @pytest.mark.timeout(1500)  # three 2-process runs: minutes on 2 shared cores
-def test_slurm_and_kubernetes_environments_train_like_coreshell_launch(tmp_path: Path):
+def test_slurm_and_kubernetes_environments_train_like_coreshell_launch(
+    tmp_path: Path, launched_sweep: Path
+):
     """What srun (SLURM) and an Indexed Job (Kubernetes) put in each task's environment,
-    given to two local processes with dist.auto=true: the same losses as coreshell launch."""
-    steps = 6
-    _launch(
-        tmp_path,
-        2,
-        4,
-        [
-            *COMMON,
-            f"trainer.max_steps={steps}",
-            "ckpt.every_n_steps=0",
-            f"tracking.uri=sqlite:///{tmp_path}/clusters.db",
-            "tracking.experiment=launch",
-            f"hydra.run.dir={tmp_path}/launch",
-        ],
-    )
+    given to two local processes with dist.auto=true: the same losses as coreshell launch
+    (its dp job of the module's launched sweep: 2 processes x 4 devices, STEPS steps)."""
+    steps = STEPS
     port = str(free_port())
     slurm = [
         {
@@ -338,7 +339,7 @@ def test_slurm_and_kubernetes_environments_train_like_coreshell_launch(tmp_path:
     ]
     _cluster_run(tmp_path, "kubernetes", k8s, steps)
     uri = f"sqlite:///{tmp_path}/clusters.db"
-    launched = _losses(uri, "launch")
+    launched = _losses(f"sqlite:///{launched_sweep}/launched.db", "launched")
     assert len(launched["dp"]) == steps
     for name in ("slurm", "kubernetes"):
         ran = _losses(uri, name)
