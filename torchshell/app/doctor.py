@@ -101,8 +101,9 @@ def run_checks(cfg: Config | DictConfig) -> list[Check]:
     if any(c.name in ("workers", "data") and c.status == FAIL for c in checks):
         return checks
     try:
-        batch = dict(next(iter(loader)))
-        stop_workers(loader)  # one batch is all the checks need
+        batches = iter(loader)
+        batch = dict(next(batches))
+        stop_workers(batches)  # one batch is all the checks need
     except StopIteration:
         checks.append(
             Check(
