@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, StackDataset
 
 import bridge
 import jaxcore
-from torchshell.data import loader_kwargs
+from torchshell.data import loader_kwargs, stop_workers
 from torchshell.data.digits import DigitsDataset
 
 
@@ -66,3 +66,19 @@ def test_no_workers_needs_no_context():
         for b in DataLoader(DigitsDataset(), batch_size=600, shuffle=True, **loader_kwargs(0, 1))
     ]
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # seeded order
+
+
+def test_stop_workers_receives_the_batches_in_flight_then_joins_the_workers():
+    """A pass dropped after one batch (doctor's sample, a parity batch) leaves batches in
+    flight; a worker stopped in the middle of one aborted at its exit. ``stop_workers``
+    receives them first, then stops and joins every worker: both exit with status 0."""
+    digits = DigitsDataset()
+    loader = DataLoader(StackDataset(x=digits.x, y=digits.y), batch_size=64, **loader_kwargs(2, 0))
+    iterator = iter(loader)
+    next(iterator)
+    workers = list(iterator._workers)
+    assert iterator._tasks_outstanding > 0  # prefetched batches are in flight
+    stop_workers(loader)
+    assert iterator._tasks_outstanding == 0 and loader._iterator is None
+    assert [w.exitcode for w in workers] == [0, 0]
+    stop_workers(loader)  # a loader without workers now: nothing to do
