@@ -168,7 +168,7 @@ def test_augmentation_changes_the_waveform_within_its_ranges(tiny_set: Path):
     out, drawn = aug.waves(waves, g)
     for wave, new, d in zip(waves, out, drawn, strict=True):
         assert d["speed"] in aug.speeds and abs(d["gain_db"]) <= aug.gain_db
-        assert 0 <= d["lead"] <= 0.25 * 16000 and 0 <= d["trail"] <= 0.1 * 16000
+        assert 0 <= d["lead"] <= aug.max_lead_s * 16000 and 0 <= d["trail"] <= 0.1 * 16000
         assert d["snr_db"] == float("inf") or 10 <= d["snr_db"] <= 30
         assert new.shape[0] == round(wave.shape[0] / d["speed"]) + d["lead"] + d["trail"]
         assert not torch.equal(new[: wave.shape[0]], wave)

@@ -33,9 +33,9 @@ def trim_silence(
     features: torch.Tensor,
     frame_mask: torch.Tensor,
     *,
-    margin_db: float = 30.0,
-    floor_ratio: float = 0.4,
-    pad: int = 4,
+    margin_db: float = 40.0,
+    floor_ratio: float = 0.3,
+    pad: int = 8,
     min_frames: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Moves each clip's voiced span to frame 0 and shortens its mask; shapes unchanged.
@@ -57,8 +57,8 @@ def trim_silence(
         >>> x = torch.zeros(1, 100, 40)
         >>> x[0, 60:80] = 1.0  # a loud word after 0.6 s of near-silence
         >>> feats, mask = trim_silence(x, torch.ones(1, 100, dtype=torch.bool))
-        >>> int(mask.sum()), feats[0, :4, 0].tolist(), feats[0, 4:24].min().item()
-        (28, [0.0, 0.0, 0.0, 0.0], 1.0)
+        >>> int(mask.sum()), feats[0, :8, 0].sum().item(), feats[0, 8:28].min().item()
+        (36, 0.0, 1.0)
     """
     mask = frame_mask.to(torch.bool)
     t = torch.arange(features.shape[1], device=features.device)
@@ -92,7 +92,7 @@ def trim_clips(features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         >>> x = torch.zeros(100, 40)
         >>> x[60:80] = 1.0
         >>> [f.shape[0] for f in trim_clips([x, torch.ones(5, 40)])]
-        [28, 5]
+        [36, 5]
     """
     lengths = [int(f.shape[0]) for f in features]
     padded = features[0].new_zeros(len(features), max(lengths), features[0].shape[1])
