@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,16 @@ def _cmd(tmp: Path, name: str, *extra: str) -> list[str]:
     return train_cmd(tmp, name, *COMMON, *extra)
 
 
-def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
-    run_ok(_cmd(tmp_path, "full", f"ckpt.dir={tmp_path}/ck_full"), tmp_path)
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted STEPS-step run (checkpoints every 20 steps, the last 3 kept): the
+    reference of the SIGKILL test and the checkpoints the damage test copies and damages."""
+    tmp = tmp_path_factory.mktemp("full")
+    run_ok(_cmd(tmp, "full", f"ckpt.dir={tmp}/ck_full"), tmp)
+    return tmp
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path: Path, full: Path):
     ckpt = tmp_path / "ck_kill"
     proc = start_and_wait_for_checkpoint(
         _cmd(tmp_path, "killed", f"ckpt.dir={ckpt}"), tmp_path, ckpt, random.uniform(0.0, 1.0)
@@ -54,11 +63,11 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path: Path):
     run_ok(_cmd(tmp_path, "resumed", f"ckpt.dir={ckpt}", "resume=last"), tmp_path)
 
     assert same_weights(
-        tmp_path / "full" / "export" / "model.safetensors",
+        full / "full" / "export" / "model.safetensors",
         tmp_path / "resumed" / "export" / "model.safetensors",
     )
     # The loss history after the checkpoint is the uninterrupted run's, exactly.
-    full_losses, resumed_losses = losses(tmp_path, "full"), losses(tmp_path, "resumed")
+    full_losses, resumed_losses = losses(full, "full"), losses(tmp_path, "resumed")
     assert resumed_losses and all(full_losses[s] == v for s, v in resumed_losses.items())
     # Every checkpoint carries the torch export and the config, so it loads without JAX.
     for path in ckpt.iterdir():
@@ -80,16 +89,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path: Path):
     assert saved is not None and verify(saved) is None
 
 
-def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path):
-    run_ok(_cmd(tmp_path, "damage", f"ckpt.dir={tmp_path}/ck", "trainer.max_steps=60"), tmp_path)
+def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path, full: Path):
+    shutil.copytree(full / "ck_full", tmp_path / "ck")  # the full run's last 3, damaged here
     newest = latest_checkpoint(tmp_path / "ck")
-    assert newest is not None and newest.name.endswith("step=60.ckpt")
+    assert newest is not None and newest.name.endswith(f"step={STEPS}.ckpt")
     (newest / "lightning.pt").write_bytes(b"torn")
     (tmp_path / "ck" / ".tmp-epoch=9-step=999.ckpt-abc").mkdir()  # an interrupted write
     messages: list[str] = []
     fallback = latest_checkpoint(tmp_path / "ck", log=messages.append)
-    assert fallback is not None and fallback.name.endswith("step=40.ckpt")
-    assert "checksum mismatch" in messages[0] and "step=60" in messages[0]
+    assert fallback is not None and fallback.name.endswith(f"step={STEPS - 20}.ckpt")
+    assert "checksum mismatch" in messages[0] and f"step={STEPS}" in messages[0]
     proc = subprocess.run(
         _cmd(tmp_path, "damage2", f"ckpt.dir={tmp_path}/ck", f"resume='{newest}'"),
         cwd=tmp_path,
@@ -100,19 +109,24 @@ def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path):
     assert proc.returncode != 0 and "not an intact checkpoint" in proc.stderr
 
 
-@pytest.mark.parametrize(
-    "override,needle", [("trainer.max_steps=abc", "max_steps"), ("optim.lrr=1", "lrr")]
-)
-def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, needle: str):
-    proc = subprocess.run(
-        [sys.executable, "-m", cli_module(), "train", override],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and needle in proc.stderr
-    assert not (tmp_path / "mlflow.db").exists()
+def test_bad_config_fails_before_any_work(tmp_path: Path):
+    cases = [("trainer.max_steps=abc", "max_steps"), ("optim.lrr=1", "lrr")]
+    procs = []  # both at once, each in its own directory
+    for i, (override, _) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", cli_module(), "train", override],
+                cwd=tmp_path / str(i),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for i, ((override, needle), proc) in enumerate(zip(cases, procs, strict=True)):
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode != 0 and needle in err, (override, err[-2000:])
+        assert not (tmp_path / str(i) / "mlflow.db").exists(), override
 
 
 def test_multirun_gives_one_mlflow_run_per_job(tmp_path: Path):
