@@ -17,12 +17,24 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import torch
 
 from tests.zoo.harness import bound, classify, trainer_check
 from tests.zoo.models import build, zoo
 
 DOC = Path(__file__).parents[2] / "docs" / "zoo.md"
 ENTRIES = zoo()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """torch eager on one thread, as in ``benchmarks/zoo.py``, which writes the table: the
+    same torch arithmetic as the table's rows, and no intra-op threads for batch-2 models
+    (on 2 shared cores they made the torch side ~8x slower). Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _table() -> dict[str, str]:
