@@ -86,8 +86,7 @@ def _digits_dm(batch_size: int) -> L.LightningDataModule:
 
 
 def _mlp() -> Recipe:
-    from _keras_peer import keras_mlp  # type: ignore[import-not-found]
-
+    from benchmarks._keras_peer import keras_mlp
     from jaxcore.models.digits import MLP
     from torchshell.twins.digits import MLP as TwinMLP
 
@@ -102,8 +101,7 @@ def _mlp() -> Recipe:
 
 
 def _encoder() -> Recipe:
-    from _keras_peer import keras_encoder  # type: ignore[import-not-found]
-
+    from benchmarks._keras_peer import keras_encoder
     from jaxcore.models.spoken_digits import SpokenDigitsEncoder
     from torchshell.twins.spoken_digits import SpokenDigitsEncoder as Twin
 

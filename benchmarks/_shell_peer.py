@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-from _peers import LR, LightningClock, trainer  # type: ignore[import-not-found]
 
 import jaxcore
+from benchmarks._peers import LR, LightningClock, trainer
 from torchshell import JaxModule
 
 

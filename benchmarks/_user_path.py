@@ -23,7 +23,10 @@ import jax
 import numpy as np
 import optax
 import torch
-from _peers import (  # type: ignore[import-not-found]
+from torch.utils.data import DataLoader, TensorDataset
+
+import jaxcore
+from benchmarks._peers import (
     LR,
     LightningClock,
     _LitHybrid,
@@ -31,9 +34,6 @@ from _peers import (  # type: ignore[import-not-found]
     init_params,
     trainer,
 )
-from torch.utils.data import DataLoader, TensorDataset
-
-import jaxcore
 from torchshell import JaxModule
 
 Path = Callable[[int], tuple[float, int]]
@@ -130,7 +130,7 @@ def hybrid_loader(model: Any, loader: Any, warmup: int) -> Path:
 
 def keras_loader(keras_model: Any, loader: Any, warmup: int) -> Path:
     """Keras 3 (JAX backend) ``fit`` on the loader object itself."""
-    from _keras_peer import keras_path  # type: ignore[import-not-found]
+    from benchmarks._keras_peer import keras_path
 
     return keras_path(keras_model, loader, warmup=warmup)  # type: ignore[no-any-return]
 

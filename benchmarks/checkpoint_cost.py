@@ -16,7 +16,6 @@ and the ratio to ``off``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -26,13 +25,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from benchmarks import _runs
-
-_spec = importlib.util.spec_from_file_location("_stats", _HERE / "_stats.py")
-assert _spec is not None and _spec.loader is not None
-_stats = importlib.util.module_from_spec(_spec)
-sys.modules["_stats"] = _stats
-_spec.loader.exec_module(_stats)
+from benchmarks import _runs, _stats
 
 CASES = {"off": "ckpt.every_n_steps=0", "every 10 steps (async)": "ckpt.every_n_steps=10"}
 

@@ -14,7 +14,6 @@ Run: ``.venv/bin/python benchmarks/export.py`` (``--tiny`` for ~1M params, ``--j
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -25,18 +24,14 @@ from typing import Any
 # Named like the function it measures; keep `import bridge` on the package (see bridge.py).
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))  # the repository: `benchmarks._x` helpers
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bridge  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("_stats", _HERE / "_stats.py")
-assert _spec is not None and _spec.loader is not None
-_stats = importlib.util.module_from_spec(_spec)
-sys.modules["_stats"] = _stats
-_spec.loader.exec_module(_stats)
+from benchmarks import _stats  # noqa: E402
 
 BENCH = "export"
 

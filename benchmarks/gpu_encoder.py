@@ -20,7 +20,6 @@ Run: ``.venv/bin/python benchmarks/gpu_encoder.py [--dry-run] [--steps 20] [--ba
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
 import time
@@ -31,15 +30,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-
-def _helper(name: str) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+sys.path.insert(0, str(_HERE.parent))  # the repository: `benchmarks._x` helpers
 
 
 import flax.linen as nn  # noqa: E402
@@ -51,9 +42,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import jaxcore  # noqa: E402
-
-_stats = _helper("_stats")
-_peers = _helper("_peers")
+from benchmarks import _peers, _stats  # noqa: E402
 
 FULL = {"d": 512, "layers": 6, "heads": 8, "mlp": 2048, "frames": 1500, "mels": 80}
 TINY = {"d": 32, "layers": 1, "heads": 2, "mlp": 64, "frames": 50, "mels": 8}

@@ -23,7 +23,6 @@ Run: ``.venv/bin/python benchmarks/inference.py [--tiny] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -43,15 +42,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-
-def _helper(name: str) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+sys.path.insert(0, str(_HERE.parent))  # the repository: `benchmarks._x` helpers
 
 
 import jax  # noqa: E402
@@ -59,7 +50,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-_stats = _helper("_stats")
+from benchmarks import _stats  # noqa: E402
+
 Row = dict[str, Any]
 Fn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 FRAMES, MELS, ATOL = 64, 40, 1e-4

@@ -20,7 +20,6 @@ Run: ``.venv/bin/python benchmarks/port.py [--rounds 7 --steps 300]``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))  # the repository: `benchmarks._x` helpers
 
 import lightning as L  # noqa: E402
 import optax  # noqa: E402
@@ -39,14 +39,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import jaxcore  # noqa: E402
+from benchmarks import _stats  # noqa: E402
 from torchshell import JaxModule  # noqa: E402
 from torchshell.twins.digits import MLP  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("_stats", _HERE / "_stats.py")
-assert _spec is not None and _spec.loader is not None
-_stats = importlib.util.module_from_spec(_spec)
-sys.modules["_stats"] = _stats
-_spec.loader.exec_module(_stats)
 
 BATCH, LR = 64, 1e-3
 

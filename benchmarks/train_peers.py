@@ -25,7 +25,6 @@ Run: ``.venv/bin/python benchmarks/train_peers.py`` (``--tiny`` for a smoke run,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
 import sys
@@ -38,15 +37,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-
-def _helper(name: str) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+sys.path.insert(0, str(_HERE.parent))  # the repository: `benchmarks._x` helpers
 
 
 import jax  # noqa: E402
@@ -56,11 +47,9 @@ import jaxcore  # noqa: E402
 
 jaxcore.set_cpu_devices("auto")  # before JAX starts; the peers use the first device only
 
-_stats = _helper("_stats")
-_keras_peer = _helper("_keras_peer")
-_peers = _helper("_peers")
-_recipes = _helper("_recipes")
-_shell = _helper("_shell_peer")
+from benchmarks import _keras_peer, _peers, _recipes, _stats  # noqa: E402
+from benchmarks import _shell_peer as _shell  # noqa: E402
+
 Row = dict[str, Any]
 BATCH, RECIPES, materialize = _recipes.BATCH, _recipes.RECIPES, _recipes.materialize
 

@@ -23,7 +23,6 @@ Run: ``.venv/bin/python benchmarks/user_path.py [--rounds 7 --steps 400] [--tiny
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
 import sys
@@ -34,24 +33,15 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-
-def _helper(name: str) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+sys.path.insert(0, str(_HERE.parent))  # the repository: `benchmarks._x` helpers
 
 
 import jax  # noqa: E402
 import torch  # noqa: E402
 
-_stats = _helper("_stats")
-_keras_peer = _helper("_keras_peer")
-_peers = _helper("_peers")
-_user = _helper("_user_path")
+from benchmarks import _keras_peer, _stats  # noqa: E402
+from benchmarks import _user_path as _user  # noqa: E402
+
 Row = dict[str, Any]
 BATCH = _user.BATCH
 
