@@ -56,11 +56,17 @@ def _train_task(cfg: Any) -> None:
 
     from torchshell.app.config import typed
     from torchshell.app.quiet import configure
-    from torchshell.app.train import train
 
     configure(verbose())
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    guarded("train", lambda: train(typed(cfg), out_dir))
+
+    def run() -> Any:
+        config = typed(cfg)  # a refused config is told before Lightning and MLflow load
+        from torchshell.app.train import train
+
+        return train(config, out_dir)
+
+    guarded("train", run)
 
 
 def _train_main(argv: Sequence[str]) -> None:

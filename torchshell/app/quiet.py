@@ -43,10 +43,12 @@ _LOG_LINES = [
     ),
 ]
 
-# (category, message pattern, module, why)
+# (category, message pattern, module, why); the category is the builtin base of the one
+# raised (Lightning's PossibleUserWarning is a UserWarning): naming it would import Lightning
+# (seconds) before a bad config is even told
 _WARNINGS = [
     (
-        "lightning.fabric.utilities.warnings.PossibleUserWarning",
+        UserWarning,
         r"The number of training batches \(\d+\) is smaller than the logging interval",
         "lightning.pytorch.loops.fit_loop",
         "Lightning compares log_every_n_steps with the batches of one epoch; coreshell logs "
@@ -74,13 +76,6 @@ class _Drop(logging.Filter):
         return not self.pattern.search(record.getMessage())
 
 
-def _category(path: str) -> type[Warning]:
-    import importlib
-
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
 def configure(verbose: bool) -> None:
     """Silences the known noise (see ``_LOG_LINES`` and ``_WARNINGS``) unless ``verbose``.
 
@@ -96,8 +91,7 @@ def configure(verbose: bool) -> None:
         if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(_Drop(pattern))
     for category, pattern, module, _why in _WARNINGS:
-        kind = _category(category)
-        warnings.filterwarnings("ignore", message=pattern, category=kind, module=module)
+        warnings.filterwarnings("ignore", message=pattern, category=category, module=module)
 
 
 @contextmanager
