@@ -16,6 +16,7 @@ Response: ``{"logits": [B, C], "probabilities": [B, C], "label": [B]}``.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import mlflow
@@ -94,7 +95,14 @@ class WaveformClassifier(PythonModel):
     def load_context(self, context):
         with open(context.artifacts["serving"]) as f:
             self.spec = json.load(f)
-        self.program = torch.export.load(context.artifacts["program"]).module()
+        # torch.export.load builds the weights with torch.frombuffer over the archive's
+        # read-only bytes and warns that the buffer is not writable (nothing writes to it):
+        # not the serving user's concern
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"The given buffer is not writable", category=UserWarning
+            )
+            self.program = torch.export.load(context.artifacts["program"]).module()
 
     def predict(self, context, model_input, params=None):
         waveform, lengths = validated(model_input, self.spec)
