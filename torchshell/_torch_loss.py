@@ -59,7 +59,7 @@ def _elementwise(loss: Any) -> tuple[Callable[..., Any], dict[str, Any], bool, A
                 "use JaxModule.from_lightning."
             )
         module = copy.copy(loss)
-        module.reduction = "none"
+        setattr(module, "reduction", "none")  # noqa: B010  (the copy's, not the user's loss)
         buffers = {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in loss.named_buffers()}
 
         def call(outputs: Any, target: Any, tensors: Mapping[str, Any]) -> Any:
@@ -68,9 +68,10 @@ def _elementwise(loss: Any) -> tuple[Callable[..., Any], dict[str, Any], bool, A
         class_index = isinstance(loss, torch.nn.CrossEntropyLoss | torch.nn.NLLLoss)
         weight = buffers.get("weight") if class_index else None
         ignore = int(getattr(loss, "ignore_index", -100))
-        if class_index and weight is not None and getattr(loss, "label_smoothing", 0.0):
+        smoothing = float(getattr(loss, "label_smoothing", 0.0))
+        if class_index and weight is not None and smoothing:
             raise ConfigError(
-                f"{name}(weight=..., label_smoothing={loss.label_smoothing}): torch's mean "
+                f"{name}(weight=..., label_smoothing={smoothing}): torch's mean "
                 "over weighted, smoothed targets is not a per-example mean. Fix: drop one of "
                 "the two, or use JaxModule.from_lightning with the loss in training_step."
             )
