@@ -14,8 +14,8 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from torchshell.tracking import _records as records
 from torchshell.tracking._outbox import Outbox
+from torchshell.tracking._records import batch_size, is_permanent, send, server_is_up
 from torchshell.tracking._report import TrackingReport
 
 log = logging.getLogger("torchshell.tracking")
@@ -39,11 +39,12 @@ class Delivery:
 
     Example:
         >>> import tempfile, pathlib
+        >>> from torchshell.tracking._records import metric
         >>> d = pathlib.Path(tempfile.mkdtemp())
         >>> uri = f"sqlite:///{d}/m.db"
         >>> rep = TrackingReport(run_id=None, tracking_uri=uri)
         >>> dv = Delivery(MlflowClient(uri), rep, experiment="demo", spill_dir=d)
-        >>> dv.put([records.metric("loss", 1.0, 0, 0)]); dv.flush(30.0), rep.delivered
+        >>> dv.put([metric("loss", 1.0, 0, 0)]); dv.flush(30.0), rep.delivered
         (True, 1)
         >>> dv.stop()
     """
@@ -114,7 +115,7 @@ class Delivery:
         if self.run_id is not None:
             self.run_ready.set()
             return
-        if not records.server_is_up(self.tracking_uri):
+        if not server_is_up(self.tracking_uri):
             raise ConnectionError(f"tracking server {self.tracking_uri} is unreachable")
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is None:
@@ -136,7 +137,7 @@ class Delivery:
         while True:
             try:
                 self._ensure_run()
-                chunk = self.outbox.take(records.batch_size)
+                chunk = self.outbox.take(batch_size)
                 if chunk:
                     self._send(chunk)
                 if self._down:
@@ -166,14 +167,14 @@ class Delivery:
             self._wake.clear()
 
     def _send(self, chunk: list[dict[str, Any]]) -> None:
-        if not records.server_is_up(self.tracking_uri):
+        if not server_is_up(self.tracking_uri):
             raise ConnectionError(f"tracking server {self.tracking_uri} is unreachable")
         run_id = str(self.run_id)  # _ensure_run ran
         try:
-            records.send(self.client, run_id, chunk)
+            send(self.client, run_id, chunk)
             self.report.delivered += len(chunk)
         except Exception as error:
-            if not records.is_permanent(error):
+            if not is_permanent(error):
                 raise
             self._send_one_by_one(run_id, chunk)
         self.outbox.ack()
@@ -184,10 +185,10 @@ class Delivery:
         try:
             for record in chunk:
                 try:
-                    records.send(self.client, run_id, [record])
+                    send(self.client, run_id, [record])
                     self.report.delivered += 1
                 except Exception as error:
-                    if not records.is_permanent(error):
+                    if not is_permanent(error):
                         raise
                     what = record.get("k", record.get("path"))
                     self.report.rejected.append(f"{what}: {type(error).__name__}: {error}")

@@ -17,8 +17,8 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH, path_not_unique
 
 from torchshell._errors import TrackingError
-from torchshell.tracking import _records as delivery
 from torchshell.tracking._delivery import Delivery
+from torchshell.tracking._records import artifact, metric, param, tag
 from torchshell.tracking._report import TrackingReport
 
 _STATUS = {
@@ -203,7 +203,7 @@ class AsyncMLflowLogger(Logger):
         if not self.enabled:
             return
         ts, step = int(time.time() * 1000), int(step or 0)
-        self._put([delivery.metric(k, float(v), ts, step) for k, v in metrics.items()])
+        self._put([metric(k, float(v), ts, step) for k, v in metrics.items()])
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kw: Any) -> None:
         """Queues params, flattened with dots; values past MLflow's limit are truncated.
@@ -230,7 +230,7 @@ class AsyncMLflowLogger(Logger):
                     )
                 continue
             self._params[key] = text
-            records.append(delivery.param(key, text))
+            records.append(param(key, text))
         self._put(records)
 
     def finalize(self, status: str) -> None:
@@ -254,7 +254,7 @@ class AsyncMLflowLogger(Logger):
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Queues run tags (values cut to MLflow's tag limit)."""
         if self.enabled:
-            self._put([delivery.tag(k, str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()])
+            self._put([tag(k, str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Queues a file or directory upload; it is read when delivered, so keep it there."""
@@ -270,7 +270,7 @@ class AsyncMLflowLogger(Logger):
             raise TrackingError(
                 f"Artifact {str(path)!r} does not exist. Fix: write the file before logging it."
             )
-        self._put([delivery.artifact(str(path.resolve()), artifact_path)])
+        self._put([artifact(str(path.resolve()), artifact_path)])
 
     def stage_path(self, artifact_file: str) -> Path:
         """A fresh local path for a generated artifact named ``artifact_file``."""

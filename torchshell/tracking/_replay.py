@@ -9,7 +9,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from torchshell._errors import TrackingError
-from torchshell.tracking import _records as delivery
+from torchshell.tracking._records import batch_size, send, server_is_up
 from torchshell.tracking._report import TrackingReport
 
 
@@ -54,8 +54,8 @@ def replay(path: str | Path, tracking_uri: str | None = None) -> TrackingReport:
     report = TrackingReport(run_id=run_id, tracking_uri=uri, queued=len(records))
     try:
         while records:
-            n = delivery.batch_size(iter(records))
-            delivery.send(client, run_id, records[:n])
+            n = batch_size(iter(records))
+            send(client, run_id, records[:n])
             report.delivered += n
             records = records[n:]
     finally:  # what is left (the store went away again) stays for the next replay, once
@@ -123,7 +123,7 @@ def replay_pending(
         try:
             head = json.loads(path.open(encoding="utf-8").readline())
             uri = tracking_uri or head["tracking_uri"]
-            if uri.startswith("http") and not delivery.server_is_up(uri):
+            if uri.startswith("http") and not server_is_up(uri):
                 log(f"coreshell: tracking store {uri} still unreachable; kept {path} for later")
                 continue
             report = replay(path, tracking_uri)
