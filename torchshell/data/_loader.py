@@ -63,10 +63,12 @@ def stop_workers(loader: Any) -> None:
     )
     if iterator is None or not hasattr(iterator, "_shutdown_workers"):
         return
-    while getattr(iterator, "_tasks_outstanding", 0) > 0 and not iterator._shutdown:
-        iterator._get_data()  # a batch in flight (or a worker's error), dropped
-        iterator._tasks_outstanding -= 1
-    iterator._shutdown_workers()  # sends each worker its stop and joins it
+    try:
+        while getattr(iterator, "_tasks_outstanding", 0) > 0 and not iterator._shutdown:
+            iterator._get_data()  # a batch in flight (or a worker's error), dropped
+            iterator._tasks_outstanding -= 1
+    finally:  # a worker that died while draining still gets the others stopped
+        iterator._shutdown_workers()  # sends each worker its stop and joins it
     if getattr(loader, "_iterator", None) is iterator:
         loader._iterator = None
 
