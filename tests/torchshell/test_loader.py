@@ -1,5 +1,6 @@
 """DataLoader workers beside a running JAX: spawned, persistent, and feeding the bridge."""
 
+import gc
 import warnings
 
 import jax
@@ -10,7 +11,7 @@ from torch.utils.data import DataLoader, StackDataset
 
 import bridge
 import jaxcore
-from torchshell.data import loader_kwargs, stop_workers
+from torchshell.data import DrainingDataLoader, loader_kwargs, stop_workers
 from torchshell.data.digits import DigitsDataset
 
 
@@ -82,3 +83,27 @@ def test_stop_workers_receives_the_batches_in_flight_then_joins_the_workers():
     assert iterator._tasks_outstanding == 0 and loader._iterator is None
     assert [w.exitcode for w in workers] == [0, 0]
     stop_workers(loader)  # a loader without workers now: nothing to do
+
+
+def test_a_draining_loader_dropped_mid_pass_stops_its_workers_between_batches():
+    """Lightning drops a stateful loader's iterator mid-pass (``max_steps`` mid-epoch) by
+    ``loader._iterator = None``, leaving its ``__del__`` to stop the workers. torchdata's own
+    loader then stops a worker while it still moves a prefetched batch into shared memory,
+    and the worker aborts (``terminate called without an active exception``): with these
+    64 MB batches 4 of 8 workers exited with -6 (SIGABRT). The draining loader receives the
+    batches in flight first: every worker exits with status 0."""
+    rows = StackDataset(x=torch.zeros(64, 1).expand(64, 4_000_000))  # 16 MB rows, tiny storage
+    codes = []
+    for _ in range(3):
+        loader = DrainingDataLoader(rows, batch_size=4, **loader_kwargs(2, 0))
+        iterator = iter(loader)
+        next(iterator)
+        workers = list(iterator._workers)
+        assert iterator._tasks_outstanding > 0  # prefetched batches are in flight
+        loader._iterator = None  # Lightning's reset of a loader it does not know
+        del iterator
+        gc.collect()
+        for worker in workers:
+            worker.join(timeout=60)
+        codes.append([w.exitcode for w in workers])
+    assert codes == [[0, 0]] * 3

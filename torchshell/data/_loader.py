@@ -6,7 +6,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import _utils as _worker_utils
 from torch.utils.data import default_collate
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.stateful_dataloader import (
+    _StatefulMultiProcessingDataLoaderIter,
+)
 
 
 def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
@@ -42,14 +47,11 @@ def loader_kwargs(num_workers: int, seed: int) -> dict[str, Any]:
 def stop_workers(loader: Any) -> None:
     """Stops a DataLoader's worker processes now and waits for them (persistent ones too).
 
-    A ``persistent_workers`` loader keeps its workers alive for the next epoch; dropped
-    mid-pass, its iterator stops them while they still work on the batches prefetched for
-    it, and a spoken-digits worker stopped in the middle of a batch sometimes aborted at its
-    exit (the C++ ``terminate called without an active exception``, seen on 2 of 5 dropped
-    iterators at load 10). So the batches in flight are received first, then each worker is
-    sent its stop and joined. Whoever iterates a loader for a fixed pass (export, parity,
-    doctor's sample batch) calls this when done. Takes the loader, or the iterator of a
-    loader without persistent workers; anything without workers is left as it is.
+    A ``persistent_workers`` loader keeps its workers alive for the next epoch. Whoever
+    iterates a loader for a fixed pass (export, parity, doctor's sample batch) calls this when
+    done: the batches still in flight are received first (see :class:`DrainingDataLoader`
+    for why), then each worker is sent its stop and joined. Takes the loader, or the iterator
+    of a loader without persistent workers; anything without workers is left as it is.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -64,13 +66,59 @@ def stop_workers(loader: Any) -> None:
     if iterator is None or not hasattr(iterator, "_shutdown_workers"):
         return
     try:
-        while getattr(iterator, "_tasks_outstanding", 0) > 0 and not iterator._shutdown:
-            iterator._get_data()  # a batch in flight (or a worker's error), dropped
-            iterator._tasks_outstanding -= 1
+        _receive_in_flight(iterator)
     finally:  # a worker that died while draining still gets the others stopped
         iterator._shutdown_workers()  # sends each worker its stop and joins it
     if getattr(loader, "_iterator", None) is iterator:
         loader._iterator = None
+
+
+def _receive_in_flight(iterator: Any) -> None:
+    """Receives (and drops) the batches a multi-process iterator's workers still owe it."""
+    while getattr(iterator, "_tasks_outstanding", 0) > 0 and not getattr(
+        iterator, "_shutdown", True
+    ):
+        iterator._get_data()  # a batch in flight (or a worker's error), dropped
+        iterator._tasks_outstanding -= 1
+
+
+class _DrainingIterator(_StatefulMultiProcessingDataLoaderIter):
+    """torchdata's multi-process iterator, whose shutdown first receives the batches in flight."""
+
+    def _shutdown_workers(self) -> None:
+        try:
+            if _worker_utils.python_exit_status is False:  # not from the interpreter's exit
+                _receive_in_flight(self)
+        finally:
+            super()._shutdown_workers()
+
+
+class DrainingDataLoader(StatefulDataLoader):
+    """torchdata's ``StatefulDataLoader``, whose workers are only ever stopped between batches.
+
+    A worker hands each batch to a queue thread that moves it into shared memory; a worker
+    told to stop while that thread still works on a prefetched batch exits under it, and the
+    C++ frame it is in aborts the worker: ``terminate called without an active exception``,
+    then ``DataLoader worker ... is killed by signal: Aborted`` in the trainer. Lightning drops
+    a stateful loader's iterator without stopping it first when a pass ends early
+    (``max_steps`` mid-epoch, ``limit_*_batches``; its reset only stops torch's own
+    iterator class), so the iterator's ``__del__`` stopped workers mid-batch: 4 of 8 workers
+    aborted with 16 MB rows. This loader's iterator receives the batches in flight before
+    it stops its workers, however it is stopped (0 of 8).
+
+    Example:
+        >>> loader = DrainingDataLoader(range(4), batch_size=2)
+        >>> [b.tolist() for b in loader]
+        [[0, 1], [2, 3]]
+    """
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        iterator = _DrainingIterator(self, self.next_iter_state)
+        self.next_iter_state = None
+        return iterator
 
 
 class GatheredRows(Sequence[dict[str, torch.Tensor]]):

@@ -7,14 +7,14 @@ from typing import Any
 
 import lightning as L
 from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchshell.data._loader import batch_collate, loader_kwargs
+from torchshell.data._loader import DrainingDataLoader, batch_collate, loader_kwargs
 from torchshell.data._sampler import epoch_batches
 
 
 class SplitDataModule(L.LightningDataModule):
-    """Train/val/test ``datasets`` served by torchdata's ``StatefulDataLoader``.
+    """Train/val/test ``datasets`` served by torchdata's ``StatefulDataLoader``
+    (:class:`~torchshell.data.DrainingDataLoader`: its workers stop between batches).
 
     Training batches come from :func:`~torchshell.data._sampler.epoch_batches`: shuffled as a
     function of ``(seed, epoch, process)``, ``drop_last`` (one compiled step), and resumable
@@ -38,24 +38,24 @@ class SplitDataModule(L.LightningDataModule):
         moves it (its default walks every batch: ~0.3 ms a step, measured)."""
         return batch
 
-    def _loader(self, split: str, batch_size: int, train: bool) -> StatefulDataLoader:
+    def _loader(self, split: str, batch_size: int, train: bool) -> DrainingDataLoader:
         dataset, kwargs = self.datasets[split], loader_kwargs(self.num_workers, self.seed)
         if train:
             kwargs.pop("generator", None)  # the order comes from (seed, epoch, process)
             batches = epoch_batches(dataset, batch_size=batch_size, seed=self.seed)
-            return StatefulDataLoader(
+            return DrainingDataLoader(
                 dataset, batch_sampler=batches, collate_fn=self.collate, **kwargs
             )
-        return StatefulDataLoader(dataset, batch_size=batch_size, collate_fn=self.collate, **kwargs)
+        return DrainingDataLoader(dataset, batch_size=batch_size, collate_fn=self.collate, **kwargs)
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> DrainingDataLoader:
         return self._loader("train", self.batch_size, True)
 
-    def val_dataloader(self) -> StatefulDataLoader:
+    def val_dataloader(self) -> DrainingDataLoader:
         return self._loader("val", self.eval_batch_size, False)
 
-    def test_dataloader(self) -> StatefulDataLoader:
+    def test_dataloader(self) -> DrainingDataLoader:
         return self._loader("test", self.eval_batch_size, False)
 
-    def predict_dataloader(self) -> StatefulDataLoader:
+    def predict_dataloader(self) -> DrainingDataLoader:
         return self._loader("test", self.eval_batch_size, False)
