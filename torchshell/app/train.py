@@ -258,7 +258,7 @@ def _make_trainer(
     # Every JAX process is Lightning's rank 0 of its own one-process run (as under `coreshell
     # launch`); Lightning read SLURM_PROCID at import otherwise, and a rank>0 skipped its
     # rank-zero hooks while process 0 ran them: the two left each other at a collective.
-    rank_zero_only.rank = 0
+    rank_zero_only.rank = 0  # type: ignore[attr-defined]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

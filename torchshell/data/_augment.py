@@ -198,13 +198,13 @@ class Augment:
             fast = speed_perturb(batch, speed)
             for r, i in enumerate(rows):
                 out[i] = fast[r, : max(1, round(waves[i].shape[0] / speed))]
-        sizes = [out[i].shape[0] + d["lead"] + d["trail"] for i, d in enumerate(drawn)]
+        sizes = [out[i].shape[0] + int(d["lead"]) + int(d["trail"]) for i, d in enumerate(drawn)]
         exps = torch.tensor([d["exponent"] for d in drawn])
         noises = colored_noise(max(sizes), exps, g, rows=len(drawn))  # one FFT call
         for i, d in enumerate(drawn):
             wave = out[i] * 10 ** (d["gain_db"] / 20)
             power = float(wave.pow(2).mean())
-            wave = torch.nn.functional.pad(wave, (d["lead"], d["trail"]))
+            wave = torch.nn.functional.pad(wave, (int(d["lead"]), int(d["trail"])))
             if d["snr_db"] != float("inf"):
                 noise = noises[i, : sizes[i]]
                 noise = noise / noise.pow(2).mean().clamp(min=1e-20).sqrt()

@@ -116,7 +116,7 @@ class DrainingDataLoader(StatefulDataLoader):
         if self.num_workers == 0:
             return super()._get_iterator()
         self.check_worker_number_rationality()
-        iterator = _DrainingIterator(self, self.next_iter_state)
+        iterator = _DrainingIterator(self, self.next_iter_state)  # type: ignore[has-type]
         self.next_iter_state = None
         return iterator
 
