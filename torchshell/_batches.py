@@ -22,7 +22,16 @@ from jaxcore import BatchError
 Batch = Mapping[str, Any]
 Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-__all__ = ["check_fields", "check_finite", "name_batch", "rows", "signature"]
+__all__ = [
+    "HostOnly",
+    "check_fields",
+    "check_finite",
+    "host_fields_out",
+    "name_batch",
+    "positional_keys",
+    "rows",
+    "signature",
+]
 
 
 def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, Any]:
@@ -62,6 +71,20 @@ def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, 
         f"namedtuple of tensors, got {type(batch).__name__}. Fix: return tensors from the "
         "Dataset (or a collate_fn that builds a dict of tensors)."
     )
+
+
+def positional_keys(inputs: Sequence[int]) -> tuple[str, ...]:
+    """Names for a tuple batch whose model inputs are given by position.
+
+    The positions up to the last input are the model's inputs (``x``, ``x1``, ``x2``...),
+    the next one is the loss's target ``y``.
+
+    Example:
+        >>> positional_keys((0,)), positional_keys((0, 1))
+        (('x', 'y'), ('x', 'x1', 'y'))
+    """
+    last = max(inputs, default=0)
+    return (*("x" if i == 0 else f"x{i}" for i in range(last + 1)), "y")
 
 
 def rows(batch: Batch) -> int:
@@ -158,3 +181,77 @@ def check_finite(batch: Any) -> None:
             "NaN (the input, not the learning rate). Fix: clean or drop those examples in the "
             "Dataset (e.g. torch.nan_to_num), or train with nan_policy='skip' to skip such steps."
         )
+
+
+class HostOnly:
+    """Stands in, in a traced step, for a batch field that is not a tensor (ids, file names).
+
+    A ``LightningModule``'s batch may carry strings or other Python values next to its
+    tensors (``{"tokens": ..., "id": ["s0", "s1"]}``); plain Lightning hands them to
+    ``training_step``, which usually ignores them. A compiled step takes arrays only, and such
+    values change every batch, so they cannot be compiled in as constants either: the field
+    is replaced by this stand-in, a pytree node without leaves. Using it in the step raises
+    an error naming the field.
+
+    Example:
+        >>> h = HostOnly("['id']", "list")
+        >>> len(h)
+        Traceback (most recent call last):
+        ...
+        jaxcore._errors.BatchError: The batch field ['id'] holds a list, not a tensor: ...
+    """
+
+    __slots__ = ("kind", "path")
+
+    def __init__(self, path: str, kind: str) -> None:
+        self.path, self.kind = path, kind
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise BatchError(
+            f"The batch field {self.path} holds a {self.kind}, not a tensor: a compiled step "
+            "takes arrays only, so the traced training/validation step cannot read it. Fix: "
+            "turn it into a tensor in the Dataset or collate (e.g. class ids instead of "
+            "names), or read it outside the step (e.g. in on_train_batch_end, which gets the "
+            "batch as the DataLoader made it)."
+        )
+
+    __len__ = __iter__ = __getitem__ = __contains__ = __bool__ = _refuse
+    __eq__ = __add__ = __mul__ = __call__ = _refuse  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._refuse()
+
+    def __repr__(self) -> str:
+        return f"HostOnly({self.path}, {self.kind})"
+
+
+jax.tree_util.register_pytree_node(
+    HostOnly, lambda h: ((), (h.path, h.kind)), lambda aux, _: HostOnly(*aux)
+)
+
+
+def host_fields_out(batch: Any) -> Any:
+    """The batch with every leaf that is not a tensor or array replaced by :class:`HostOnly`.
+
+    Example:
+        >>> import torch
+        >>> host_fields_out({"x": torch.ones(2), "id": ["a", "b"]})["id"]
+        HostOnly(['id'], list)
+    """
+
+    def leaf(x: Any) -> bool:
+        return isinstance(x, list | tuple) and bool(x) and not _has_arrays(x)
+
+    def swap(path: Any, x: Any) -> Any:
+        if x is None or isinstance(x, torch.Tensor | jax.Array):
+            return x
+        return HostOnly(jax.tree_util.keystr(path), type(x).__name__)
+
+    return jax.tree_util.tree_map_with_path(swap, batch, is_leaf=leaf)
+
+
+def _has_arrays(x: Any) -> bool:
+    return any(isinstance(v, torch.Tensor | jax.Array) for v in jax.tree.leaves(x))

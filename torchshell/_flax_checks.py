@@ -105,9 +105,11 @@ def _check_length(key: str, t: torch.Tensor) -> None:
     )
 
 
-def _check_mask(key: str, t: torch.Tensor, batch: Mapping[str, Any], rows: int) -> None:
+def _check_mask(
+    key: str, t: torch.Tensor, batch: Mapping[str, Any], rows: int, row_mask: bool
+) -> None:
     shape = tuple(t.shape)
-    if key == "mask":
+    if key == "mask" and row_mask:
         if shape != (rows,):
             raise BatchError(
                 f"The batch field 'mask' (which rows are real) has shape {list(shape)}; "
@@ -132,8 +134,14 @@ def _check_mask(key: str, t: torch.Tensor, batch: Mapping[str, Any], rows: int) 
         )
 
 
-def check_lengths_and_masks(batch: Mapping[str, Any]) -> None:
+def check_lengths_and_masks(batch: Mapping[str, Any], *, row_mask: bool = True) -> None:
     """Refuses negative lengths and masks whose shape does not fit the batch.
+
+    Args:
+        batch: the named batch.
+        row_mask: whether ``mask`` is coreshell's mask of real rows (``[B]``), as it is for
+            a Flax or ``from_torch`` model; a ``LightningModule``'s batch is its own, and its
+            ``mask`` is checked like any other mask (it must line up with the data).
 
     Raises:
         BatchError: the field, what was expected, what came, and the fix.
@@ -152,7 +160,7 @@ def check_lengths_and_masks(batch: Mapping[str, Any]) -> None:
         if _LENGTH.search(key):
             _check_length(key, t)
         if key.endswith("mask") and rows is not None:
-            _check_mask(key, t, batch, rows)
+            _check_mask(key, t, batch, rows, row_mask)
 
 
 def check_batch(module: Any, batch: Any) -> None:

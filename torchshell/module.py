@@ -19,7 +19,7 @@ import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell import _state_io
-from torchshell._batches import check_finite, signature
+from torchshell._batches import check_finite, positional_keys, signature
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags
 from torchshell._module_parts import (
@@ -208,7 +208,10 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             optimizer: a ``torch.optim`` optimizer over ``module.parameters()`` (SGD, Adam,
                 AdamW, RMSprop, Adagrad with torch's update math and param groups) or an
                 optax transform.
-            inputs: the batch fields (or tuple positions) fed to ``module.forward``.
+            inputs: the batch fields (or tuple positions) fed to ``module.forward``. Given
+                as positions of a tuple batch without ``batch_keys``, the position after the
+                last input is the loss's target ``y``: ``inputs=(0, 1)`` on a
+                ``TensorDataset(ids, mask, labels)``.
             **kwargs: :class:`JaxModule` options.
 
         Example:
@@ -226,6 +229,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             optimizer = map_configure_optimizers(
                 optimizer, trainable, steps_per_epoch=None, total_steps=1
             ).tx
+        if "batch_keys" not in kwargs and all(isinstance(i, int) for i in inputs):
+            kwargs["batch_keys"] = positional_keys(inputs)  # (ids, mask, label): (0, 1)
         keys = tuple(kwargs.get("batch_keys", ("x", "y")))
         names = [keys[i] if isinstance(i, int) else i for i in inputs]
         jm = cls(torch_model_fns(module, names), loss_fn, optimizer, inputs=names, **kwargs)

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from torchshell import _state_io
+from torchshell._batches import host_fields_out
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
@@ -263,9 +264,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
     # -- hand-over: the user's structure, no padding -------------------------------------------
     def _prepare(self, batch: Any) -> Any:
         if isinstance(batch, Mapping):  # named fields: negative lengths, misfit masks
-            check_lengths_and_masks(batch)
+            check_lengths_and_masks(batch, row_mask=False)  # its 'mask' is the user's
         self.port.embeddings.check(batch)  # (the fields are known once the step is traced)
-        return batch
+        return host_fields_out(batch)
 
     def _leading(self, tree: Any, axis: int = 0) -> int:
         sizes = {t.shape[axis] for t in jax.tree.leaves(tree) if getattr(t, "ndim", 0) > axis}

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import lightning as L
 import torch
+from torchmetrics import Metric
 
 from jaxcore import ModelFns
 from torchshell._embedding import EmbeddingChecks
@@ -37,6 +38,7 @@ HOOKS = {
     "predict_step": (False, False),
 }
 _REDUCE = ("mean", "sum", "max", "min")
+_METRIC_METHODS = ("forward", "update", "compute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +148,44 @@ class LightningPort:
         self.module.log = log  # type: ignore[method-assign]  # an instance attribute
         device = self.module._device
         self.module._device = torch.device("jax")  # tensors made on self.device are traced
+        metrics = self._refuse_metrics(hook)
         try:
             yield
         finally:
             del self.module.log
             self.module._device = device
+            for metric in metrics:
+                for method in _METRIC_METHODS:
+                    metric.__dict__.pop(method, None)
+
+    def _refuse_metrics(self, hook: str) -> list[Metric]:
+        """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
+
+        A metric accumulates its state in torch tensors between steps (and its updates use
+        value-dependent shapes, e.g. ``bincount``): it cannot run in a compiled step, and
+        tracing it would fail deep inside torchmetrics with a message about shapes.
+        """
+        owner = type(self.module).__name__
+        metrics = []
+        for name, metric in self.module.named_modules():
+            if not isinstance(metric, Metric):
+                continue
+
+            def refuse(*args: Any, _name: str = name, _m: Metric = metric, **kw: Any) -> Any:
+                raise ConfigError(
+                    f"{owner}.{hook} runs the torchmetrics metric self.{_name} "
+                    f"({type(_m).__name__}): a metric keeps its state in torch between steps, "
+                    "outside the compiled JAX step, so it cannot run inside it. Fix: compute "
+                    "the value as a torch expression of the batch and log it, e.g. "
+                    'self.log("acc", (logits.argmax(-1) == y).float().mean(), on_epoch=True) '
+                    "(Lightning's mean over the epoch's batches), or pass the metric's inputs "
+                    "out of predict_step and run the metric on the host."
+                )
+
+            for method in _METRIC_METHODS:
+                metric.__dict__[method] = refuse
+            metrics.append(metric)
+        return metrics
 
     def call(
         self,

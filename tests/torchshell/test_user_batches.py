@@ -1,0 +1,172 @@
+"""What a team's own batches and modules carry, through from_lightning and from_torch: its own
+``mask`` field, strings next to the tensors, torchmetrics objects, and positional inputs of a
+three-tensor ``TensorDataset`` (each against plain Lightning where both train)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from jaxcore import BatchError
+from tests.torchshell.test_port import Recorder
+from torchshell import JaxModule
+from torchshell._errors import ConfigError
+
+
+class Tokens(Dataset):
+    """Token ids with a padding ``mask`` of the tokens ([T]) and a string id, as NLP data has."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(i)
+        n = i % 6 + 1
+        return {
+            "tokens": torch.randint(0, 20, (6,), generator=g),
+            "mask": (torch.arange(6) < n).float(),
+            "label": i % 2,
+            "id": f"utt-{i:03d}",
+        }
+
+
+class Bag(L.LightningModule):
+    """A masked mean of embeddings; ``batch["id"]`` is there but not read by the step."""
+
+    def __init__(self, read_id: bool = False) -> None:
+        super().__init__()
+        self.read_id = read_id
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 2)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self.read_id:
+            assert len(batch["id"]) == batch["tokens"].shape[0]
+        m = batch["mask"]
+        h = (self.emb(batch["tokens"]) * m[..., None]).sum(1) / m.sum(1, keepdim=True)
+        loss = nn.functional.cross_entropy(self.head(h), batch["label"])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fit(module: L.LightningModule, loader: DataLoader, tmp_path: Path) -> Recorder:
+    logger = Recorder()
+    trainer = L.Trainer(
+        max_steps=6,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, loader)
+    return logger
+
+
+def test_a_lightning_batch_keeps_its_own_mask_and_string_fields(tmp_path: Path) -> None:
+    loader = DataLoader(Tokens(), batch_size=8)
+    torch.manual_seed(0)
+    plain = _fit(Bag(), loader, tmp_path / "plain").series("train_loss")
+    torch.manual_seed(0)
+    ours = _fit(JaxModule.from_lightning(Bag(), print_summary=False), loader, tmp_path / "jax")
+    assert len(ours.series("train_loss")) == len(plain) == 6
+    np.testing.assert_allclose(ours.series("train_loss"), plain, rtol=1e-5)
+
+
+def test_a_step_reading_a_string_field_is_told_which_field(tmp_path: Path) -> None:
+    jm = JaxModule.from_lightning(Bag(read_id=True), print_summary=False)
+    with pytest.raises(BatchError, match=r"\['id'\] holds a list, not a tensor.*on_train_batch"):
+        _fit(jm, DataLoader(Tokens(), batch_size=8), tmp_path)
+
+
+class WithMetric(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        self.acc(logits, y)
+        return nn.functional.cross_entropy(logits, y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_torchmetrics_metric_in_the_step_is_refused_with_the_fix(tmp_path: Path) -> None:
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,)))
+    user = WithMetric()
+    jm = JaxModule.from_lightning(user, print_summary=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"WithMetric.training_step runs the torchmetrics metric self.acc "
+        r"\(MulticlassAccuracy\).*argmax",
+    ):
+        _fit(jm, DataLoader(data, batch_size=8), tmp_path)
+    # the user's metric works again afterwards: nothing of the refusal is left on it
+    assert not {"forward", "update", "compute"} & set(vars(user.acc))
+    user.acc(torch.eye(3), torch.arange(3))
+    assert float(user.acc.compute()) == 1.0
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.float()[..., None]
+        return self.head((self.emb(ids) * m).sum(1) / m.sum(1).clamp(min=1))
+
+
+def test_from_torch_positional_inputs_take_the_next_position_as_the_target(
+    tmp_path: Path,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30, (32, 7), generator=g)
+    mask = torch.ones(32, 7, dtype=torch.long)
+    labels = torch.randint(0, 3, (32,), generator=g)
+    loader = DataLoader(TensorDataset(ids, mask, labels), batch_size=8)
+    torch.manual_seed(0)
+    net = TwoInputs()
+    ref = TwoInputs()
+    ref.load_state_dict(net.state_dict())
+    jm = JaxModule.from_torch(
+        net,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(net.parameters(), lr=0.5),
+        inputs=(0, 1),
+        print_summary=False,
+    )
+    assert jm.batch_keys == ("x", "x1", "y")
+    L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(jm, loader)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for a, b, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(a, b), y).backward()
+        opt.step()
+    got = jm.torch_state_dict()
+    for name, want in ref.state_dict().items():
+        np.testing.assert_allclose(got[name].numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
