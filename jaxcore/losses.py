@@ -6,7 +6,8 @@ them with the batch ``mask`` so padded rows never count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,3 +80,81 @@ def softmax_cross_entropy(
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     accuracy = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return loss, {"accuracy": accuracy}
+
+
+def per_example(loss_fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, dict[str, Any]]]:
+    """Any JAX loss as the steps' ``(loss[B], {name: metric[B]})``.
+
+    A team's own loss often returns the batch mean (``optax...(logits, y).mean()``), or only
+    the losses without metrics. The steps need one value per row, so that padded rows (the
+    ragged last batch) never count. A loss that returns per-row values ``[B]`` is used as it
+    is; one that returns a mean is evaluated row by row (``jax.vmap`` over one-row batches:
+    the same function, so a mean over one row is that row's loss, exactly). Losses that
+    couple rows (contrastive, batch statistics) are not per-row: return ``[B]`` values.
+
+    Args:
+        loss_fn: ``(outputs, batch) -> loss`` or ``-> (loss, {name: metric})``, each value
+            ``[B]`` or a scalar mean.
+
+    Returns:
+        The loss with the steps' signature.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mean_mse = lambda out, b: jnp.mean((out - b["y"]) ** 2)
+        >>> losses, metrics = per_example(mean_mse)(jnp.array([1.0, 3.0]), {"y": jnp.zeros(2)})
+        >>> losses.tolist(), metrics
+        ([1.0, 9.0], {})
+    """
+
+    def split(out: Any) -> tuple[Any, dict[str, Any]]:
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+            return out[0], dict(out[1])
+        return out, {}
+
+    def wrapped(outputs: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+        losses, metrics = split(loss_fn(outputs, batch))
+        rows = _batch_rows(batch)
+        values = [losses, *metrics.values()]
+        if rows is None or all(jnp.ndim(v) == 1 and jnp.shape(v)[0] == rows for v in values):
+            return losses, metrics
+        mapped = [jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows for x in jax.tree.leaves(outputs)]
+        if not any(mapped) or any(jnp.ndim(v) > 1 for v in values):
+            _check_rows(values, metrics, rows)
+            return losses, metrics  # batch-level values, reduced as batch means
+
+        leaves, tree = jax.tree.flatten((outputs, batch))
+        axes = [0 if jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows else None for x in leaves]
+
+        def one_row(*row: Any) -> Any:  # mapped leaves back to batches of one row
+            ones = [x if a is None else x[None] for x, a in zip(row, axes, strict=True)]
+            return split(loss_fn(*jax.tree.unflatten(tree, ones)))
+
+        losses, metrics = jax.vmap(one_row, in_axes=axes)(*leaves)
+        flat = jax.tree.map(lambda v: v.reshape(rows, -1), (losses, metrics))
+        _check_rows([flat[0], *flat[1].values()], flat[1], rows, per_row=True)
+        return flat[0][:, 0], {k: v[:, 0] for k, v in flat[1].items()}
+
+    return wrapped
+
+
+def _batch_rows(batch: Mapping[str, Any]) -> int | None:
+    mask = batch.get("mask") if isinstance(batch, Mapping) else None
+    if mask is not None and jnp.ndim(mask) == 1:
+        return int(jnp.shape(mask)[0])
+    sizes = [jnp.shape(x)[0] for x in jax.tree.leaves(batch) if jnp.ndim(x) >= 1]
+    return int(sizes[0]) if sizes else None
+
+
+def _check_rows(
+    values: list[Any], metrics: Mapping[str, Any], rows: int, per_row: bool = False
+) -> None:
+    names = ["loss", *metrics]
+    for name, v in zip(names, values, strict=True):
+        size = jnp.size(v) // rows if per_row else jnp.size(v)
+        if (per_row and size != 1) or (not per_row and jnp.ndim(v) > 1):
+            raise BatchError(
+                f"The loss returned {name!r} of shape {tuple(jnp.shape(v))} for a batch of {rows} "
+                f"rows: expected one value per row [{rows}] or a scalar mean. Fix: reduce "
+                "within each row (e.g. the mean over tokens of a row) and return [B] values."
+            )

@@ -59,7 +59,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
 
     Args:
         model: a Flax linen module, or :class:`jaxcore.ModelFns`.
-        loss_fn: ``(outputs, batch) -> (loss[B], {name: metric[B]})``.
+        loss_fn: ``(outputs, batch) -> (loss[B], {name: metric[B]})``; a loss that returns
+            only the loss, or batch means, is evaluated per row (:func:`jaxcore.per_example`).
         optimizer: an optax ``GradientTransformation`` (e.g. :func:`jaxcore.make_optimizer`).
         mesh: the device mesh; every device on one ``data`` axis by default.
         inputs: batch keys (or positions of a tuple batch) a linen module reads.
@@ -126,6 +127,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
             label = next((k for k in self.batch_keys if k not in names), "y")
             loss_fn = torch_loss_fn(loss_fn, label_key=label)
+        else:  # a JAX loss may return batch means, or no metrics: one value per row here
+            loss_fn = jaxcore.per_example(loss_fn)
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -121,3 +122,23 @@ def test_set_cpu_devices_once_jax_runs():
     for bad in (0, "all", True, 1.5):
         with pytest.raises(jaxcore.ConfigError, match="positive int"):
             jaxcore.set_cpu_devices(bad)
+
+
+def test_per_example_turns_batch_means_into_exact_rows() -> None:
+    import optax
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)), jnp.float32)
+    batch = {"y": jnp.array([0, 1, 2, 3, 0, 1]), "mask": jnp.arange(6) < 4, "w": jnp.ones(())}
+
+    def mean_loss(out: jax.Array, b: dict[str, jax.Array]) -> Any:
+        ce = optax.softmax_cross_entropy_with_integer_labels(out, b["y"]) * b["w"]
+        return ce.mean(), {"acc": (out.argmax(-1) == b["y"]).mean()}
+
+    rows, metrics = jax.jit(jaxcore.per_example(mean_loss))(logits, batch)
+    want, _ = jaxcore.softmax_cross_entropy(logits, batch)
+    np.testing.assert_allclose(rows, want, rtol=1e-6)
+    np.testing.assert_array_equal(metrics["acc"], logits.argmax(-1) == batch["y"])
+    # [B] values pass unchanged; per-token values are refused with the fix
+    assert jaxcore.per_example(jaxcore.softmax_cross_entropy)(logits, batch)[0] is not None
+    with pytest.raises(jaxcore.BatchError, match=r"shape \(6, 3\).*one value per row"):
+        jaxcore.per_example(lambda o, b: jnp.ones((6, 3)))(logits, batch)

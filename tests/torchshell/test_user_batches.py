@@ -170,3 +170,34 @@ def test_from_torch_positional_inputs_take_the_next_position_as_the_target(
     got = jm.torch_state_dict()
     for name, want in ref.state_dict().items():
         np.testing.assert_allclose(got[name].numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_flax_model_with_the_teams_own_mean_loss_trains_like_the_per_row_loss(
+    tmp_path: Path,
+) -> None:
+    import optax
+
+    import jaxcore
+    from jaxcore.models.digits import MLP
+
+    def mean_loss(logits: Any, batch: Any) -> Any:  # as a team writes it: a batch mean
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(70, 64, generator=g), torch.randint(0, 10, (70,), generator=g))
+    losses = []
+    for loss in (mean_loss, jaxcore.softmax_cross_entropy):
+        jm = JaxModule(MLP(features=(16,)), loss, optax.sgd(0.1), print_summary=False)
+        logger = Recorder()
+        L.Trainer(
+            max_epochs=2,
+            logger=logger,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        ).fit(jm, DataLoader(data, batch_size=16))  # 70 rows: a padded last batch of 6
+        losses.append([m["train/loss"] for _, m in logger.rows if "train/loss" in m])
+    assert len(losses[0]) == 10
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
