@@ -201,3 +201,73 @@ def test_a_flax_model_with_the_teams_own_mean_loss_trains_like_the_per_row_loss(
         losses.append([m["train/loss"] for _, m in logger.rows if "train/loss" in m])
     assert len(losses[0]) == 10
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def _rows() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+
+class Small(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 3))
+        self.batch_size = 16
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_rows(), batch_size=self.batch_size)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _quiet_trainer(tmp_path: Path, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def test_the_users_module_holds_the_trained_weights_after_fit(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    user, plain = Small(), Small()
+    plain.load_state_dict(user.state_dict())
+    weight = user.net[0].weight  # a reference the team holds stays the trained tensor
+    before = {k: v.clone() for k, v in user.state_dict().items()}
+    _quiet_trainer(tmp_path / "plain", max_epochs=1).fit(plain)
+    jm = JaxModule.from_lightning(user, print_summary=False)
+    _quiet_trainer(tmp_path / "jax", max_epochs=1).fit(jm)
+    assert user.net[0].weight is weight
+    after = user.state_dict()
+    assert not torch.equal(after["net.0.weight"], before["net.0.weight"])
+    for name, want in plain.state_dict().items():  # what plain Lightning leaves in the module
+        np.testing.assert_allclose(after[name].numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+class Rows(L.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 16
+
+    def train_dataloader(self) -> DataLoader:  # the batch size finder sets self.batch_size
+        return DataLoader(_rows(), batch_size=self.batch_size)
+
+
+def test_lightnings_batch_size_finder_runs_as_in_plain_lightning(tmp_path: Path) -> None:
+    from lightning.pytorch.tuner import Tuner
+
+    found = []
+    for wrap in (lambda m: m, lambda m: JaxModule.from_lightning(m, print_summary=False)):
+        data = Rows()
+        trainer = _quiet_trainer(tmp_path, max_epochs=1)
+        found.append(Tuner(trainer).scale_batch_size(wrap(Small()), datamodule=data, max_trials=3))
+        assert data.batch_size == found[-1]
+    assert found[0] == found[1] == 8  # 2, 4, 8 (the finder saved and restored a checkpoint)

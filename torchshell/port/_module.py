@@ -134,6 +134,17 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self.port.module.teardown(stage)
         super().teardown(stage)
 
+    def on_fit_end(self) -> None:
+        """The user's module holds the trained weights after ``fit``, as in plain Lightning.
+
+        (``torch.save(model.state_dict())`` or ``model(x)`` after ``trainer.fit`` is what a
+        team does next; the parameters are updated in place, so references to them stay.)
+        """
+        super().on_fit_end()
+        if self.state is not None:
+            with torch.no_grad():
+                self.port.module.load_state_dict(self.torch_state_dict(), strict=True)
+
     # -- optimizer ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         """The user's own optimizer and schedulers, handed to Lightning as plain objects.
@@ -376,7 +387,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         user = self.port.module
-        if self.state is not None:
+        if self.state is None:  # before the first step (Lightning's tuner saves one): as built
+            checkpoint["state_dict"] = user.state_dict()
+        else:
             checkpoint["state_dict"] = self.torch_state_dict()
             if self.mapped is not None and self.tx is None:  # plain Lightning resumes from it
                 opt_state = self.state.opt_state
