@@ -120,6 +120,13 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
                 "Fix: name the target field in batch_keys=(inputs..., target)."
             )
         target = batch[label_key]
+        if not isinstance(outputs, jax.Array):
+            raise ConfigError(
+                f"the torch loss {name} takes the model's output tensor, and the model "
+                f"returned {_describe(outputs)}. Fix: wrap the model so that forward returns "
+                "the tensor the loss reads (e.g. `return self.model(x).logits` for a "
+                "transformers model), or pass a JAX loss_fn(outputs, batch) that picks it."
+            )
         # Lightning evaluates under inference_mode, which skips the decompositions torchax
         # lowers losses with (as in torch_model.py); int64 -> int32 narrowing: see there
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
@@ -151,3 +158,12 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
         return losses, metrics
 
     return loss_fn
+
+
+def _describe(outputs: Any) -> str:
+    """``a dict with keys ['logits', ...]``, ``a tuple of 2``: what a model returned."""
+    if isinstance(outputs, Mapping):
+        return f"a {type(outputs).__name__} with keys {sorted(outputs)}"
+    if isinstance(outputs, list | tuple):
+        return f"a {type(outputs).__name__} of {len(outputs)}"
+    return f"a {type(outputs).__name__}"

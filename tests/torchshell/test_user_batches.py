@@ -271,3 +271,24 @@ def test_lightnings_batch_size_finder_runs_as_in_plain_lightning(tmp_path: Path)
         found.append(Tuner(trainer).scale_batch_size(wrap(Small()), datamodule=data, max_trials=3))
         assert data.batch_size == found[-1]
     assert found[0] == found[1] == 8  # 2, 4, 8 (the finder saved and restored a checkpoint)
+
+
+class DictOut(nn.Module):
+    """Returns a mapping, as transformers models do (``ModelOutput(logits=...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.lin(x)}
+
+
+def test_a_torch_loss_on_a_model_returning_a_dict_names_the_keys(tmp_path: Path) -> None:
+    net = DictOut()
+    jm = JaxModule.from_torch(
+        net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.1), print_summary=False
+    )
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    with pytest.raises(ConfigError, match=r"returned a dict with keys \['logits'\].*\.logits"):
+        _quiet_trainer(tmp_path, max_steps=1).fit(jm, DataLoader(data, batch_size=8))
