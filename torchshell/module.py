@@ -209,8 +209,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
                 in the step, its ``reduction="mean"`` reproduced exactly over the real rows;
                 see :mod:`torchshell._torch_loss`) or a JAX ``loss_fn(outputs, batch)``.
             optimizer: a ``torch.optim`` optimizer over ``module.parameters()`` (SGD, Adam,
-                AdamW, RMSprop, Adagrad with torch's update math and param groups) or an
-                optax transform.
+                AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam with torch's update math and
+                param groups) or an optax transform.
             inputs: the batch fields (or tuple positions) fed to ``module.forward``. Given
                 as positions of a tuple batch without ``batch_keys``, the position after the
                 last input is the loss's target ``y``: ``inputs=(0, 1)`` on a

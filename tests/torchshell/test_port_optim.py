@@ -50,6 +50,20 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
         p, lr=1e-3, alpha=0.9, eps=1e-5, centered=True, momentum=0.7, weight_decay=1e-2
     ),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=2e-2),
+    "adamax-wd-max": lambda p: torch.optim.Adamax(
+        p, lr=2e-2, betas=(0.8, 0.99), weight_decay=0.1, maximize=True
+    ),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "nadam-decay-wd": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1, momentum_decay=0.1),
+    "nadam-decoupled": lambda p: torch.optim.NAdam(
+        p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True
+    ),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2, betas=(0.9, 0.9)),  # rectified at step 6+
+    "radam-wd": lambda p: torch.optim.RAdam(p, lr=1e-2, weight_decay=0.1),  # never rectified
+    "radam-decoupled-max": lambda p: torch.optim.RAdam(
+        p, lr=1e-2, betas=(0.9, 0.8), weight_decay=0.1, decoupled_weight_decay=True, maximize=True
+    ),
     "adagrad-decay-wd-init": lambda p: torch.optim.Adagrad(
         p, lr=0.1, lr_decay=0.1, weight_decay=1e-2, initial_accumulator_value=0.1, eps=1e-8
     ),
@@ -304,7 +318,7 @@ def _refusals() -> dict[str, tuple[Callable[[list[nn.Parameter]], Any], str]]:
 
     return {
         "none": (lambda p: None, r"returned None"),
-        "adamax": (lambda p: torch.optim.Adamax(p), r"torch\.optim\.adamax\.Adamax"),
+        "adadelta": (lambda p: torch.optim.Adadelta(p), r"torch\.optim\.adadelta\.Adadelta"),
         "subclass": (lambda p: MySGD(p, lr=0.1), r"MySGD has no exact optax mapping"),
         "plateau": (plateau, r"ReduceLROnPlateau.*'val_loss'"),
         "two-optimizers": (
@@ -492,6 +506,9 @@ STATEFUL = {
     "adamw-wd-amsgrad": lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=8),
     "rmsprop-centered-mom-wd": lambda o: S.CosineAnnealingLR(o, T_max=6),
     "adagrad-decay-wd-init": lambda o: S.LambdaLR(o, lambda s: 1.0 / (1.0 + s)),
+    "adamax-wd-max": lambda o: S.ExponentialLR(o, gamma=0.9),
+    "nadam-decay-wd": lambda o: S.StepLR(o, step_size=2, gamma=0.5),
+    "radam": lambda o: S.LinearLR(o, start_factor=0.5, total_iters=4),
 }
 
 

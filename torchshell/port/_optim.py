@@ -22,7 +22,18 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from torchshell._errors import ConfigError
-from torchshell.port._optim_rules import ADAGRAD, ADAM, RMSPROP, SGD, GroupSpec, Rule, grouped
+from torchshell.port._optim_rules import (
+    ADAGRAD,
+    ADAM,
+    ADAMAX,
+    NADAM,
+    RADAM,
+    RMSPROP,
+    SGD,
+    GroupSpec,
+    Rule,
+    grouped,
+)
 from torchshell.port._sched import (
     FIX,
     parse_configure_optimizers,
@@ -50,6 +61,15 @@ _MAPPED: dict[type[torch.optim.Optimizer], tuple[Rule, frozenset[str]]] = {
     ),
 }
 _MAPPED[torch.optim.AdamW] = _MAPPED[torch.optim.Adam]
+_MAPPED[torch.optim.Adamax] = (ADAMAX, frozenset({*_BASE, "beta1", "beta2", "eps"}))
+_MAPPED[torch.optim.NAdam] = (
+    NADAM,
+    frozenset({*_BASE, "beta1", "beta2", "eps", "momentum_decay", "decoupled_weight_decay"}),
+)
+_MAPPED[torch.optim.RAdam] = (
+    RADAM,
+    frozenset({*_BASE, "beta1", "beta2", "eps", "decoupled_weight_decay"}),
+)
 _FLAGS = {"maximize", "nesterov", "amsgrad", "centered", "decoupled_weight_decay", *_HARMLESS}
 
 
@@ -120,11 +140,12 @@ def map_configure_optimizers(
     """Map what ``configure_optimizers()`` returned onto optax, with torch's update math.
 
     Mapped: ``SGD``, ``Adam`` (also ``decoupled_weight_decay=True``), ``AdamW``, ``RMSprop``,
-    ``Adagrad``, exactly by class, each param group with its own hyperparameters; any
-    ``torch.optim.lr_scheduler.LRScheduler`` except ``ReduceLROnPlateau``, stepped on a private
-    copy as Lightning's loop steps it (``interval``, ``frequency``, several schedulers in
-    order). Every hyperparameter a scheduler moves becomes a per-step table: ``lr``, and the
-    ``momentum`` / ``betas[0]`` that ``OneCycleLR`` and ``CyclicLR`` cycle.
+    ``Adagrad``, ``Adamax``, ``NAdam``, ``RAdam``, exactly by class, each param group with its
+    own hyperparameters; any ``torch.optim.lr_scheduler.LRScheduler`` except
+    ``ReduceLROnPlateau``, stepped on a private copy as Lightning's loop steps it
+    (``interval``, ``frequency``, several schedulers in order). Every hyperparameter a
+    scheduler moves becomes a per-step table: ``lr``, and the ``momentum`` / ``betas[0]``
+    that ``OneCycleLR`` and ``CyclicLR`` cycle.
 
     Not seen here: a user override of ``LightningModule.lr_scheduler_step`` (the caller must
     refuse it), and torch skipping parameters whose ``.grad`` is ``None`` (JAX gives them zero

@@ -230,6 +230,99 @@ def _adagrad_step(
 ADAGRAD = Rule(_adagrad_init, _adagrad_step)
 
 
+# --- Adamax ----------------------------------------------------------------------------------
+
+
+def _adamax_init(p: jax.Array, hp: Hyper) -> Slots:
+    return {"exp_avg": jnp.zeros_like(p), "exp_inf": jnp.zeros_like(p)}
+
+
+def _adamax_step(
+    g: jax.Array, p: jax.Array, s: Slots, hp: Hyper, t: jax.Array
+) -> tuple[jax.Array, Slots]:
+    g = _coupled_decay(g, p, hp)
+    exp_avg = _lerp(s["exp_avg"], g, 1 - hp["beta1"])
+    exp_inf = jnp.maximum(s["exp_inf"] * hp["beta2"], jnp.abs(g) + hp["eps"])
+    clr = hp["lr"] / _one_minus_pow(hp["beta1"], t)
+    return (p + (-clr) * (exp_avg / exp_inf)) - p, {"exp_avg": exp_avg, "exp_inf": exp_inf}
+
+
+ADAMAX = Rule(_adamax_init, _adamax_step)
+
+
+def _decay(g: jax.Array, p: jax.Array, hp: Hyper) -> tuple[jax.Array, jax.Array]:
+    """NAdam/RAdam: ``(grad, param)`` after L2 or decoupled weight decay."""
+    g = -g if hp["maximize"] else g
+    if _is_zero(hp["weight_decay"]):
+        return g, p
+    if hp["decoupled_weight_decay"]:
+        return g, p * (1 - hp["lr"] * hp["weight_decay"])
+    return g + hp["weight_decay"] * p, p
+
+
+# --- NAdam -----------------------------------------------------------------------------------
+
+
+def _nadam_init(p: jax.Array, hp: Hyper) -> Slots:
+    return {
+        "exp_avg": jnp.zeros_like(p),
+        "exp_avg_sq": jnp.zeros_like(p),
+        "mu_product": jnp.ones((), jnp.float32),
+    }
+
+
+def _nadam_step(
+    g: jax.Array, p: jax.Array, s: Slots, hp: Hyper, t: jax.Array
+) -> tuple[jax.Array, Slots]:
+    lr, b1, b2, decay = hp["lr"], hp["beta1"], hp["beta2"], hp["momentum_decay"]
+    g, new_p = _decay(g, p, hp)
+    mu = b1 * (1.0 - 0.5 * (0.96 ** (t * decay)))
+    mu_next = b1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * decay)))
+    mu_product = s["mu_product"] * mu  # a float32 tensor in torch too
+    exp_avg = _lerp(s["exp_avg"], g, 1 - b1)
+    exp_avg_sq = s["exp_avg_sq"] * b2 + (1 - b2) * g * g
+    denom = jnp.sqrt(exp_avg_sq / _one_minus_pow(b2, t)) + hp["eps"]
+    new_p = new_p + (-lr * (1.0 - mu) / (1.0 - mu_product)) * (g / denom)
+    new_p = new_p + ((-lr * mu_next) / (1.0 - mu_product * mu_next)) * (exp_avg / denom)
+    slots = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "mu_product": mu_product}
+    return new_p - p, slots
+
+
+NADAM = Rule(_nadam_init, _nadam_step)
+
+
+# --- RAdam -----------------------------------------------------------------------------------
+
+
+def _radam_init(p: jax.Array, hp: Hyper) -> Slots:
+    return {"exp_avg": jnp.zeros_like(p), "exp_avg_sq": jnp.zeros_like(p)}
+
+
+def _radam_step(
+    g: jax.Array, p: jax.Array, s: Slots, hp: Hyper, t: jax.Array
+) -> tuple[jax.Array, Slots]:
+    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+    g, new_p = _decay(g, p, hp)
+    exp_avg = _lerp(s["exp_avg"], g, 1 - b1)
+    exp_avg_sq = s["exp_avg_sq"] * b2 + (1 - b2) * g * g
+    bc1, bc2 = _one_minus_pow(b1, t), _one_minus_pow(b2, t)
+    corrected = exp_avg / bc1
+    rho_inf = 2 / (1 - b2) - 1
+    rho_t = rho_inf - 2 * t * (b2**t) / bc2
+    safe = jnp.maximum(rho_t, 5.0)  # (the rectified branch runs only where rho_t > 5)
+    rect = jnp.sqrt((safe - 4) * (safe - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * safe))
+    adaptive = jnp.sqrt(bc2) / (jnp.sqrt(exp_avg_sq) + hp["eps"])
+    rectified = new_p + (-1.0) * (corrected * lr * adaptive * rect)
+    plain = new_p + (-1.0) * (corrected * lr)
+    return jnp.where(rho_t > 5.0, rectified, plain) - p, {
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+    }
+
+
+RADAM = Rule(_radam_init, _radam_step)
+
+
 # --- the driver ------------------------------------------------------------------------------
 
 

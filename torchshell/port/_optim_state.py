@@ -93,12 +93,12 @@ def state_from_torch(
                     slots[name][key] = jnp.asarray(entry.get("momentum_buffer") is not None)
                 elif isinstance(entry.get(key), torch.Tensor):
                     value = entry[key].detach().cpu()
-                    want = params[name]
+                    want = slots[name][key]  # the parameter's shape, or () (NAdam mu_product)
                     if tuple(value.shape) != tuple(want.shape):
                         raise ConfigError(
                             f"the {cls} state's {key} of {name} has shape {tuple(value.shape)}, "
-                            f"the parameter {tuple(want.shape)}; resume without the optimizer "
-                            "state"
+                            f"this optimizer's {tuple(want.shape)}; resume without the "
+                            "optimizer state"
                         )
                     slots[name][key] = jnp.asarray(value.numpy(), dtype=want.dtype)
     taken = step if step is not None else max(steps, default=0)
