@@ -27,7 +27,7 @@ import torch
 import bridge
 import jaxcore
 from torchshell import _state_io
-from torchshell._batches import check_fields, name_batch, rows
+from torchshell._batches import check_fields, host_fields_out, name_batch, rows
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
@@ -175,7 +175,7 @@ class HandOverPart(_Shared):
         """The batch as the model reads it: named fields for the Flax path."""
         named = name_batch(batch, self.batch_keys)
         check_batch(self, named)  # nn.Embed ids, negative lengths, masks: refused like torch
-        return named
+        return host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
 
     def _global_rows(self, batch: Batch) -> int:
         """Rows of the padded global batch: the batch rounded up to the data axis."""

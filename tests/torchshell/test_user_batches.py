@@ -292,3 +292,49 @@ def test_a_torch_loss_on_a_model_returning_a_dict_names_the_keys(tmp_path: Path)
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
     with pytest.raises(ConfigError, match=r"returned a dict with keys \['logits'\].*\.logits"):
         _quiet_trainer(tmp_path, max_steps=1).fit(jm, DataLoader(data, batch_size=8))
+
+
+class Pictures(Dataset):
+    """uint8 images with an int label and the file name, as an image folder yields them."""
+
+    def __init__(self, with_path: bool) -> None:
+        self.with_path = with_path
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(i)
+        item = {"x": torch.randint(0, 255, (4, 4, 1), dtype=torch.uint8, generator=g), "y": i % 3}
+        if self.with_path:
+            item["path"] = f"/pictures/{i}.png"
+        return item
+
+
+def test_a_flax_model_trains_on_batches_with_a_string_field(tmp_path: Path) -> None:
+    import flax.linen as fnn
+    import optax
+
+    import jaxcore
+
+    class Net(fnn.Module):
+        @fnn.compact
+        def __call__(self, x: Any, train: bool = False) -> Any:
+            return fnn.Dense(3)(x.reshape(x.shape[0], -1).astype("float32") / 255.0)
+
+    losses = []
+    for with_path in (True, False):
+        jm = JaxModule(Net(), jaxcore.softmax_cross_entropy, optax.sgd(0.5), print_summary=False)
+        logger = Recorder()
+        L.Trainer(
+            max_epochs=1,
+            logger=logger,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        ).fit(jm, DataLoader(Pictures(with_path), batch_size=8))  # 20 rows: a padded last batch
+        losses.append(logger.series("train/loss"))
+    assert len(losses[0]) == 3
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
