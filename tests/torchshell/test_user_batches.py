@@ -271,6 +271,11 @@ def test_lightnings_batch_size_finder_runs_as_in_plain_lightning(tmp_path: Path)
         found.append(Tuner(trainer).scale_batch_size(wrap(Small()), datamodule=data, max_trials=3))
         assert data.batch_size == found[-1]
     assert found[0] == found[1] == 8  # 2, 4, 8 (the finder saved and restored a checkpoint)
+    # the module's own batch_size (its train_dataloader reads self.batch_size)
+    user = Small()
+    jm = JaxModule.from_lightning(user, print_summary=False)
+    assert Tuner(_quiet_trainer(tmp_path, max_epochs=1)).scale_batch_size(jm, max_trials=3) == 8
+    assert user.batch_size == jm.batch_size == 8
 
 
 class DictOut(nn.Module):
@@ -338,3 +343,16 @@ def test_a_flax_model_trains_on_batches_with_a_string_field(tmp_path: Path) -> N
         losses.append(logger.series("train/loss"))
     assert len(losses[0]) == 3
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_lightnings_lr_finder_is_refused_rather_than_run_flat(tmp_path: Path) -> None:
+    from lightning.pytorch.tuner import Tuner
+
+    class WithLr(Small):
+        def __init__(self, lr: float = 1e-2) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    jm = JaxModule.from_lightning(WithLr(), print_summary=False)
+    with pytest.raises(ConfigError, match=r"learning-rate finder.*plain LightningModule"):
+        Tuner(_quiet_trainer(tmp_path, max_epochs=1)).lr_find(jm, num_training=5)

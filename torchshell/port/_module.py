@@ -117,6 +117,19 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         if module.hparams:  # the run's params in the loggers (MLflow) are the user's
             self.save_hyperparameters(dict(module.hparams))
 
+    @property
+    def batch_size(self) -> Any:
+        """The user's module's ``batch_size`` (Lightning's batch size finder reads and sets it).
+
+        Missing on the user's module: missing here too (``hasattr`` is false, as the finder
+        expects).
+        """
+        return self.port.module.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        self.port.module.batch_size = value
+
     def _match_val_loader(self, trainer: L.Trainer) -> None:
         """The user's own hooks decide, as in plain Lightning; the module sees the Trainer.
 
@@ -251,6 +264,14 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         )
 
     def on_train_start(self) -> None:
+        if any(type(c).__name__ == "_LRCallback" for c in self.trainer.callbacks):
+            raise ConfigError(
+                "Lightning's learning-rate finder (Tuner.lr_find) sweeps the lr by swapping "
+                "the torch optimizer's scheduler during fit; the compiled step runs the optax "
+                "mapping of configure_optimizers() and would not follow it (a flat curve, a "
+                "meaningless suggestion). Fix: choose the lr with a few short fits at "
+                "different lr values, or run lr_find on the plain LightningModule."
+            )
         if self.tx is None:
             self._map(provisional=False)
             if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
