@@ -356,3 +356,33 @@ def test_lightnings_lr_finder_is_refused_rather_than_run_flat(tmp_path: Path) ->
     jm = JaxModule.from_lightning(WithLr(), print_summary=False)
     with pytest.raises(ConfigError, match=r"learning-rate finder.*plain LightningModule"):
         Tuner(_quiet_trainer(tmp_path, max_epochs=1)).lr_find(jm, num_training=5)
+
+
+class ReadsProgress(L.LightningModule):
+    """Scales its loss by the step, a curriculum a team may write inside training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        ramp = min(1.0, (self.global_step + 1) / 4)
+        return ramp * nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_reading_the_step_counter_in_a_traced_step_is_told_not_silent(tmp_path: Path) -> None:
+    jm = JaxModule.from_lightning(ReadsProgress(), print_summary=False)
+    with pytest.warns(
+        UserWarning,
+        match=r"ReadsProgress.training_step reads self.global_step.*"
+        r"trace time \(0\).*lr scheduler",
+    ) as seen:
+        _quiet_trainer(tmp_path, max_steps=3).fit(jm, DataLoader(_rows(), batch_size=16))
+    # once per hook and counter, at the user's method; the class is the user's again
+    hits = [w for w in seen if "reads self.global_step" in str(w.message)]
+    assert len(hits) == 1 and hits[0].filename == __file__
+    assert type(jm.port.module) is ReadsProgress

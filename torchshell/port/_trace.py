@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,6 +41,7 @@ HOOKS = {
 }
 _REDUCE = ("mean", "sum", "max", "min")
 _METRIC_METHODS = ("forward", "update", "compute")
+_COUNTERS = ("global_step", "current_epoch")  # Trainer progress a step may read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,43 @@ def _reduce_name(reduce_fx: Any) -> str:
             f"one of {_REDUCE} (or torch.mean/sum/max/min). Fix: use one of them."
         )
     return name
+
+
+def _counting_class(cls: type, read: set[str]) -> type:
+    """``cls`` whose ``global_step``/``current_epoch`` record, in ``read``, that they were read.
+
+    The user's module wears this class while a step is traced (and its own class again after):
+    the values themselves are the ones ``cls`` gives.
+    """
+
+    def counter(name: str) -> property:
+        base = getattr(cls, name)
+
+        def get(self: Any) -> Any:
+            read.add(name)
+            return base.__get__(self, cls)
+
+        return property(get)
+
+    attrs = {name: counter(name) for name in _COUNTERS}
+    attrs.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+    return type(cls.__name__, (cls,), attrs)
+
+
+def _warn_at(method: Any, where: str, name: str) -> None:
+    """Warns, at the user's method, that it read a Trainer counter while being traced."""
+    message = (
+        f"{where} reads self.{name}: the compiled step is traced once, so every step sees its "
+        "value at trace time (0), where plain Lightning gives the current one. Fix: for an lr "
+        "warmup or decay use a torch lr scheduler in configure_optimizers (mapped per step); "
+        "for a loss weight that changes over training, compute it from a batch field."
+    )
+    try:
+        filename = inspect.getsourcefile(method) or "<unknown>"
+        lineno = inspect.getsourcelines(method)[1]
+    except (OSError, TypeError):
+        filename, lineno = "<unknown>", 0
+    warnings.warn_explicit(message, UserWarning, filename, lineno)
 
 
 class LightningPort:
@@ -100,6 +140,7 @@ class LightningPort:
         self.embeddings = EmbeddingChecks()
         self.embeddings.install(self.tracer.env)
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
+        self._warned: set[tuple[str, str]] = set()
 
     def overrides(self, hook: str) -> bool:
         """Whether the user's class defines ``hook`` (Lightning's own check)."""
@@ -149,14 +190,22 @@ class LightningPort:
         device = self.module._device
         self.module._device = torch.device("jax")  # tensors made on self.device are traced
         metrics = self._refuse_metrics(hook)
+        user_class = type(self.module)
+        read: set[str] = set()
+        self.module.__class__ = _counting_class(user_class, read)
         try:
             yield
         finally:
+            self.module.__class__ = user_class
             del self.module.log
             self.module._device = device
             for metric in metrics:
                 for method in _METRIC_METHODS:
                     metric.__dict__.pop(method, None)
+        for name in sorted(read):
+            if (hook, name) not in self._warned:
+                self._warned.add((hook, name))
+                _warn_at(getattr(user_class, hook), f"{user_class.__name__}.{hook}", name)
 
     def _refuse_metrics(self, hook: str) -> list[Metric]:
         """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
