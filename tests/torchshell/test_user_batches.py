@@ -60,10 +60,11 @@ class Bag(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _fit(module: L.LightningModule, loader: DataLoader, tmp_path: Path) -> Recorder:
+def _fit(module: L.LightningModule, loader: DataLoader, tmp_path: Path, **limits: Any) -> Recorder:
+    """Fits with a Recorder logging every step (``max_steps=6`` unless other limits given)."""
     logger = Recorder()
     trainer = L.Trainer(
-        max_steps=6,
+        **(limits or {"max_steps": 6}),
         logger=logger,
         log_every_n_steps=1,
         enable_checkpointing=False,
@@ -188,17 +189,8 @@ def test_a_flax_model_with_the_teams_own_mean_loss_trains_like_the_per_row_loss(
     losses = []
     for loss in (mean_loss, jaxcore.softmax_cross_entropy):
         jm = JaxModule(MLP(features=(16,)), loss, optax.sgd(0.1), print_summary=False)
-        logger = Recorder()
-        L.Trainer(
-            max_epochs=2,
-            logger=logger,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(jm, DataLoader(data, batch_size=16))  # 70 rows: a padded last batch of 6
-        losses.append([m["train/loss"] for _, m in logger.rows if "train/loss" in m])
+        loader = DataLoader(data, batch_size=16)  # 70 rows: a padded last batch of 6
+        losses.append(_fit(jm, loader, tmp_path, max_epochs=2).series("train/loss"))
     assert len(losses[0]) == 10
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
@@ -330,17 +322,8 @@ def test_a_flax_model_trains_on_batches_with_a_string_field(tmp_path: Path) -> N
     losses = []
     for with_path in (True, False):
         jm = JaxModule(Net(), jaxcore.softmax_cross_entropy, optax.sgd(0.5), print_summary=False)
-        logger = Recorder()
-        L.Trainer(
-            max_epochs=1,
-            logger=logger,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(jm, DataLoader(Pictures(with_path), batch_size=8))  # 20 rows: a padded last batch
-        losses.append(logger.series("train/loss"))
+        loader = DataLoader(Pictures(with_path), batch_size=8)  # 20 rows: a padded last batch
+        losses.append(_fit(jm, loader, tmp_path, max_epochs=1).series("train/loss"))
     assert len(losses[0]) == 3
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
