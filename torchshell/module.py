@@ -232,8 +232,9 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             optimizer = map_configure_optimizers(
                 optimizer, trainable, steps_per_epoch=None, total_steps=1
             ).tx
-        if "batch_keys" not in kwargs and all(isinstance(i, int) for i in inputs):
-            kwargs["batch_keys"] = positional_keys(inputs)  # (ids, mask, label): (0, 1)
+        positions = [i for i in inputs if isinstance(i, int)]
+        if "batch_keys" not in kwargs and len(positions) == len(inputs):
+            kwargs["batch_keys"] = positional_keys(positions)  # (ids, mask, label): (0, 1)
         keys = tuple(kwargs.get("batch_keys", ("x", "y")))
         names = [keys[i] if isinstance(i, int) else i for i in inputs]
         jm = cls(torch_model_fns(module, names), loss_fn, optimizer, inputs=names, **kwargs)

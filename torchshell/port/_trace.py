@@ -84,7 +84,7 @@ def _counting_class(cls: type, read: set[str]) -> type:
 
         return property(get)
 
-    attrs = {name: counter(name) for name in _COUNTERS}
+    attrs: dict[str, Any] = {name: counter(name) for name in _COUNTERS}
     attrs.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
     return type(cls.__name__, (cls,), attrs)
 
