@@ -369,3 +369,44 @@ def test_reading_the_step_counter_in_a_traced_step_is_told_not_silent(tmp_path: 
     hits = [w for w in seen if "reads self.global_step" in str(w.message)]
     assert len(hits) == 1 and hits[0].filename == __file__
     assert type(jm.port.module) is ReadsProgress
+
+
+class WithHooks(Small):
+    """Loop hooks as teams write them: counters, and values logged at the epoch's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_acc", (self.net(x).argmax(-1) == y).float().mean())
+
+    def on_fit_start(self) -> None:
+        self.calls.append("fit_start")
+
+    def on_train_epoch_start(self) -> None:
+        self.calls.append("train_epoch_start")
+
+    def on_train_epoch_end(self) -> None:
+        self.calls.append("train_epoch_end")
+        self.log("epochs_seen", float(self.calls.count("train_epoch_end")))
+
+    def on_validation_epoch_end(self) -> None:
+        self.calls.append("validation_epoch_end")
+        self.log_dict({"val_marker": 1.5})
+
+    def on_fit_end(self) -> None:
+        self.calls.append("fit_end")
+
+
+def test_the_users_loop_hooks_run_and_log_as_in_plain_lightning(tmp_path: Path) -> None:
+    results = []
+    for wrap in (lambda m: m, lambda m: JaxModule.from_lightning(m, print_summary=False)):
+        user = WithHooks()
+        trainer = _quiet_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0)
+        trainer.fit(wrap(user), DataLoader(_rows(), batch_size=16), DataLoader(_rows(), 16))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        results.append((user.calls, metrics["epochs_seen"], metrics["val_marker"]))
+    assert results[1] == results[0]
+    assert results[0][0][0] == "fit_start" and results[0][0][-1] == "fit_end"

@@ -46,6 +46,23 @@ from torchshell.port._user import UserEvaluation, UserMetrics
 __all__ = ["LightningParts"]
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+# the user's own loop hooks, run on the host after coreshell's part of each (batch-level hooks
+# and the optimizer/backward ones are not among them: see docs/porting.md)
+_LOOP_HOOKS = tuple(
+    f"on_{stage}_{when}"
+    for stage in (
+        "fit",
+        "train",
+        "validation",
+        "test",
+        "predict",
+        "train_epoch",
+        "validation_epoch",
+        "test_epoch",
+        "predict_epoch",
+    )
+    for when in ("start", "end")
+)
 _DATA_HOOKS = (
     "prepare_data",
     "train_dataloader",
@@ -110,6 +127,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
             # (predict_step stays: Lightning's default one calls the module's forward)
             if not port.overrides(hook):
                 setattr(self, hook, getattr(L.LightningModule, hook).__get__(self))
+        for hook in _LOOP_HOOKS:  # the user's own hooks run too, logging through Lightning
+            if port.overrides(hook):
+                setattr(self, hook, self._with_user_hook(hook))
         for hook in _DATA_HOOKS:  # loaders the module defines itself are the run's loaders
             if port.overrides(hook):
                 setattr(self, hook, getattr(module, hook))
@@ -129,6 +149,26 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
     @batch_size.setter
     def batch_size(self, value: Any) -> None:
         self.port.module.batch_size = value
+
+    def _with_user_hook(self, hook: str) -> Any:
+        """``hook`` as coreshell runs it, then as the user's module does.
+
+        The user's ``self.log``/``self.log_dict`` in it go to this module's (the one
+        Lightning's loop is running), so what it logs reaches the loggers and
+        ``callback_metrics`` as in plain Lightning.
+        """
+        ours, theirs = getattr(self, hook), getattr(self.port.module, hook)
+
+        def both(*args: Any, **kwargs: Any) -> Any:
+            ours(*args, **kwargs)
+            user = self.port.module
+            user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
+            try:
+                return theirs(*args, **kwargs)
+            finally:
+                del user.log, user.log_dict
+
+        return both
 
     def _match_val_loader(self, trainer: L.Trainer) -> None:
         """The user's own hooks decide, as in plain Lightning; the module sees the Trainer.
