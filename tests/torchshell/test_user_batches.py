@@ -410,3 +410,75 @@ def test_the_users_loop_hooks_run_and_log_as_in_plain_lightning(tmp_path: Path) 
         results.append((user.calls, metrics["epochs_seen"], metrics["val_marker"]))
     assert results[1] == results[0]
     assert results[0][0][0] == "fit_start" and results[0][0][-1] == "fit_end"
+
+
+class WithBatchHooks(Small):
+    """Batch-level hooks as teams write them: a host-side transform, per-batch records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.losses: list[float] = []
+        self.sums: list[float] = []
+        self.val_outputs: list[float] = []
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        return x * 0.5, y  # the step sees only what this returns
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.calls.append("after_transfer")
+        return batch
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.calls.append(f"train_start/{batch_idx}")
+        self.sums.append(float(batch[0].abs().sum()))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.log("seen", float(batch_idx))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.calls.append(f"val_end/{batch_idx}")
+        self.val_outputs.append(float(outputs))
+
+
+def test_the_users_batch_hooks_and_transforms_run_as_in_plain_lightning(tmp_path: Path) -> None:
+    results = []
+    for wrap in (lambda m: m, lambda m: JaxModule.from_lightning(m, print_summary=False)):
+        torch.manual_seed(0)
+        user = WithBatchHooks()
+        trainer = _quiet_trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+        trainer.fit(wrap(user), DataLoader(_rows(), batch_size=16), DataLoader(_rows(), 32))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        results.append((user, metrics))
+    (plain, plain_metrics), (ported, ported_metrics) = results
+    assert ported.calls == plain.calls  # every hook, in the same order
+    assert "train_start/3" in ported.calls and "val_end/1" in ported.calls
+    np.testing.assert_allclose(ported.sums, plain.sums, rtol=1e-6)  # the transformed batch
+    np.testing.assert_allclose(ported.losses, plain.losses, rtol=1e-5)  # outputs["loss"]
+    np.testing.assert_allclose(ported.val_outputs, plain.val_outputs, rtol=1e-4)
+    # 4 steps, fewer than log_every_n_steps: the last step's values still reach callback_metrics
+    assert set(ported_metrics) == set(plain_metrics) == {"train_loss", "seen"}
+    np.testing.assert_allclose(ported_metrics["train_loss"], plain_metrics["train_loss"], 1e-5)
+
+
+class ZeroGradHook(Small):
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        pass
+
+
+def test_a_zero_grad_hook_is_refused_not_skipped() -> None:
+    with pytest.raises(ConfigError, match=r"on_before_zero_grad"):
+        JaxModule.from_lightning(ZeroGradHook())

@@ -46,8 +46,8 @@ from torchshell.port._user import UserEvaluation, UserMetrics
 __all__ = ["LightningParts"]
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
-# the user's own loop hooks, run on the host after coreshell's part of each (batch-level hooks
-# and the optimizer/backward ones are not among them: see docs/porting.md)
+# the user's own loop and batch hooks, run on the host after coreshell's part of each (the
+# optimizer/backward ones are refused: see docs/porting.md)
 _LOOP_HOOKS = tuple(
     f"on_{stage}_{when}"
     for stage in (
@@ -62,6 +62,16 @@ _LOOP_HOOKS = tuple(
         "predict_epoch",
     )
     for when in ("start", "end")
+) + tuple(
+    f"on_{stage}_batch_{when}"
+    for stage in ("train", "validation", "test", "predict")
+    for when in ("start", "end")
+)
+# the user's own batch transforms on the host (augmentation, moving fields): theirs alone
+_TRANSFER_HOOKS = (
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
 )
 _DATA_HOOKS = (
     "prepare_data",
@@ -74,6 +84,7 @@ _DATA_HOOKS = (
 # place to run them, so a module that overrides one is refused rather than half-trained.
 _OPTIMIZER_HOOKS = (
     "backward",
+    "on_before_zero_grad",
     "on_before_backward",
     "on_after_backward",
     "on_before_optimizer_step",
@@ -123,6 +134,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
         self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
+        self._last_step: dict[str, jax.Array] | None = None  # the last step's metrics
         for hook in _EVAL_HOOKS[:2]:  # Lightning skips a loop whose hook is not overridden
             # (predict_step stays: Lightning's default one calls the module's forward)
             if not port.overrides(hook):
@@ -130,7 +142,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         for hook in _LOOP_HOOKS:  # the user's own hooks run too, logging through Lightning
             if port.overrides(hook):
                 setattr(self, hook, self._with_user_hook(hook))
-        for hook in _DATA_HOOKS:  # loaders the module defines itself are the run's loaders
+        for hook in _DATA_HOOKS + _TRANSFER_HOOKS:  # the module's own loaders and transforms
             if port.overrides(hook):
                 setattr(self, hook, getattr(module, hook))
         self._configs: list[Any] = []
@@ -155,12 +167,16 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
 
         The user's ``self.log``/``self.log_dict`` in it go to this module's (the one
         Lightning's loop is running), so what it logs reaches the loggers and
-        ``callback_metrics`` as in plain Lightning.
+        ``callback_metrics`` as in plain Lightning. ``on_train_batch_end`` receives the step's
+        outputs as plain Lightning gives them (``{"loss": loss}``, fetched from the device only
+        for a module that overrides it); the evaluation hooks, what the traced step returned.
         """
         ours, theirs = getattr(self, hook), getattr(self.port.module, hook)
 
         def both(*args: Any, **kwargs: Any) -> Any:
             ours(*args, **kwargs)
+            if hook == "on_train_batch_end" and self._last_step is not None:
+                args = ({"loss": bridge.to_torch(self._last_step["loss"])}, *args[1:])
             user = self.port.module
             user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
             try:

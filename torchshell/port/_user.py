@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import bridge
@@ -44,6 +45,7 @@ class UserMetrics:
     port: Any
     trainer: Any
     _epoch: Any
+    _last_step: dict[str, jax.Array] | None
     log: Any
 
     def _train_specs(self) -> dict[str, LogSpec]:
@@ -78,6 +80,7 @@ class UserMetrics:
                     self.log(name, logs[key], prog_bar=True, logger=False)
 
     def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
+        self._last_step = metrics  # (read on the host once per epoch, and by a user's hook)
         epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch}
         if not epoch:
             return
@@ -91,6 +94,7 @@ class UserMetrics:
 
     def on_train_epoch_end(self) -> None:
         super().on_train_epoch_end()  # type: ignore[misc]
+        self._last_step_values()
         if self._epoch is None:
             return
         acc, self._epoch = jax.device_get(self._epoch), None
@@ -109,6 +113,22 @@ class UserMetrics:
             )
             if spec.on_step:
                 self.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
+
+    def _last_step_values(self) -> None:
+        """``callback_metrics`` hold the epoch's last on-step values, as in plain Lightning.
+
+        (Lightning updates them every step; here they are fetched once per epoch, so a run
+        shorter than ``log_every_n_steps`` still ends with them.)
+        """
+        if self._last_step is None:
+            return
+        values = jax.device_get(self._train_values(self._last_step))
+        for name, spec in self._train_specs().items():
+            key = f"{name}_step" if spec.on_epoch else name
+            if spec.on_step and key in values:
+                value = torch.tensor(float(np.ravel(values[key])[-1]))
+                self.trainer.callback_metrics[key] = value
+                self.trainer.callback_metrics[name] = value  # (the epoch value follows)
 
 
 class UserEvaluation:
@@ -161,10 +181,10 @@ class UserEvaluation:
         return out
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        self._run_hook("validation_step", batch)
+        return bridge.to_torch(self._run_hook("validation_step", batch))  # batch-end hooks' outputs
 
     def test_step(self, batch: Any, batch_idx: int) -> Any:
-        self._run_hook("test_step", batch)
+        return bridge.to_torch(self._run_hook("test_step", batch))
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         return bridge.to_torch(self._run_hook("predict_step", batch))
