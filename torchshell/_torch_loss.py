@@ -9,7 +9,13 @@ reduced so that the masked mean equals torch's own ``reduction="mean"`` on the r
   ``L1Loss``, ``BCEWithLogitsLoss``, ``HuberLoss``...), as torch averages every element;
 - for ``CrossEntropyLoss``/``NLLLoss`` on class indices, torch divides by the summed class
   ``weight`` of the targets that are not ``ignore_index``: each row's sum is scaled by
-  ``rows / that total``, so the masked mean is exactly torch's.
+  ``rows / that total``, so the masked mean is exactly torch's;
+- the loss's own ``reduction`` is kept: ``"sum"`` (each row's sum times the real rows, so the
+  mean is torch's sum) and ``"batchmean"`` (``KLDivLoss``: each row's sum).
+
+A team's own loss *function* (or a loss module without ``reduction``) written with torch ops (``def loss(out, y): return
+F.cross_entropy(out.flatten(0, 1), y.flatten())``) is run by torchax as it is, row by row
+(:func:`jaxcore.per_example`), so a padded last batch stays exact.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
+import jaxcore
 from torchshell._errors import ConfigError
 
-__all__ = ["is_torch_loss", "torch_loss_fn"]
+__all__ = ["is_torch_loss", "torch_function_loss", "torch_loss_fn", "written_in_torch"]
 
 _CLASS_INDEX_FNS = (F.cross_entropy, F.nll_loss)
 
@@ -47,17 +54,103 @@ def is_torch_loss(loss: Any) -> bool:
     return callable(loss) and str(getattr(loss, "__module__", "")).startswith("torch.")
 
 
+def written_in_torch(fn: Any) -> bool:
+    """Whether a plain function reads torch names (``F``, ``torch``, ``nn``) from its globals.
+
+    Such a function is a torch loss the team wrote, ``(output, target) -> loss``; a JAX
+    loss (``jnp``, ``optax``) takes ``(outputs, batch)``.
+
+    Example:
+        >>> written_in_torch(lambda out, y: F.cross_entropy(out, y))
+        True
+        >>> written_in_torch(lambda out, batch: jnp.mean((out - batch["y"]) ** 2))
+        False
+    """
+    if isinstance(fn, torch.nn.Module) or not callable(fn):
+        return False
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return False
+    scope = getattr(target, "__globals__", {})
+    names = set(code.co_names)
+    for const in code.co_consts:  # nested functions and comprehensions
+        if hasattr(const, "co_names"):
+            names.update(const.co_names)
+    for name in names:
+        value = scope.get(name)
+        module = getattr(value, "__name__", "") if inspect.ismodule(value) else ""
+        module = module or str(getattr(value, "__module__", "") or "")
+        if module == "torch" or module.startswith("torch."):
+            return True
+    return False
+
+
+def torch_function_loss(fn: Callable[..., Any], label_key: str = "y") -> Callable[..., Any]:
+    """A team's own torch loss function ``(output, target) -> loss`` as the step's loss.
+
+    Run by torchax on the JAX arrays; a batch-mean result is evaluated row by row
+    (:func:`jaxcore.per_example`), so padded rows never count.
+
+    Args:
+        fn: the function; it receives the model's output and ``batch[label_key]`` as torch
+            tensors and returns a scalar (or one value per row).
+        label_key: the batch field holding the target.
+
+    Returns:
+        A loss function for :class:`~torchshell.JaxModule`.
+
+    Example:
+        >>> fn = torch_function_loss(lambda out, y: F.mse_loss(out, y))
+        >>> losses, _ = fn(jnp.array([[1.0], [3.0]]), {"y": jnp.zeros((2, 1))})
+        >>> losses.tolist()
+        [1.0, 9.0]
+    """
+    from torchax.interop import call_torch
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> jax.Array:
+        if not isinstance(batch, Mapping) or label_key not in batch:
+            raise ConfigError(
+                f"the torch loss {name} reads the target from batch[{label_key!r}], and the "
+                f"batch has {sorted(batch) if isinstance(batch, Mapping) else type(batch)}. "
+                "Fix: name the target field in batch_keys=(inputs..., target)."
+            )
+        with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+            warnings.filterwarnings(
+                "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
+            )
+            value = call_torch(fn, outputs, batch[label_key])
+        return jnp.asarray(value, jnp.float32)
+
+    return jaxcore.per_example(loss_fn)
+
+
+def _reduction(loss: Any) -> str:
+    """The user's ``reduction`` of a torch loss module (functions: torch's default, mean)."""
+    reduction = (
+        str(getattr(loss, "reduction", "mean")) if isinstance(loss, torch.nn.Module) else "mean"
+    )
+    if reduction == "none":
+        raise ConfigError(
+            f"{type(loss).__name__}(reduction='none') gives no scalar to minimise (torch's "
+            "backward would refuse it too). coreshell already evaluates the loss per example "
+            "and reproduces torch's 'mean', 'sum' and 'batchmean'. Fix: pass the loss as you "
+            "train with it in torch (the default reduction='mean')."
+        )
+    if reduction not in ("mean", "sum", "batchmean"):
+        raise ConfigError(
+            f"{type(loss).__name__}(reduction={reduction!r}): expected 'mean', 'sum' or "
+            "'batchmean'. Fix: use one of those."
+        )
+    return reduction
+
+
 def _elementwise(loss: Any) -> tuple[Callable[..., Any], dict[str, Any], bool, Any, int]:
     """``(call(outputs, target, buffers), buffers, class_index, weight, ignore_index)``."""
     name = getattr(loss, "__name__", type(loss).__name__)
     if isinstance(loss, torch.nn.Module):
-        if not hasattr(loss, "reduction"):
-            raise ConfigError(
-                f"the torch loss {name} has no `reduction`: the step needs a loss per example "
-                "(its batches are padded and masked). Fix: subclass torch.nn.modules.loss._Loss "
-                "and honour reduction='none', or write training_step in a LightningModule and "
-                "use JaxModule.from_lightning."
-            )
         module = copy.copy(loss)
         setattr(module, "reduction", "none")  # noqa: B010  (the copy's, not the user's loss)
         buffers = {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in loss.named_buffers()}
@@ -68,13 +161,6 @@ def _elementwise(loss: Any) -> tuple[Callable[..., Any], dict[str, Any], bool, A
         class_index = isinstance(loss, torch.nn.CrossEntropyLoss | torch.nn.NLLLoss)
         weight = buffers.get("weight") if class_index else None
         ignore = int(getattr(loss, "ignore_index", -100))
-        smoothing = float(getattr(loss, "label_smoothing", 0.0))
-        if class_index and weight is not None and smoothing:
-            raise ConfigError(
-                f"{name}(weight=..., label_smoothing={smoothing}): torch's mean "
-                "over weighted, smoothed targets is not a per-example mean. Fix: drop one of "
-                "the two, or use JaxModule.from_lightning with the loss in training_step."
-            )
         return call, buffers, class_index, weight, ignore
     if "reduction" not in inspect.signature(loss).parameters:
         raise ConfigError(
@@ -109,6 +195,9 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
     """
     from torchax.interop import call_torch
 
+    if isinstance(loss, torch.nn.Module) and not hasattr(loss, "reduction"):
+        return torch_function_loss(loss, label_key)  # the team's own loss module
+    reduction = _reduction(loss)
     call, buffers, class_index, weight, ignore = _elementwise(loss)
     name = getattr(loss, "__name__", type(loss).__name__)
 
@@ -142,17 +231,22 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
                 "Fix: make its forward honour reduction='none'."
             )
         rows = per.reshape(per.shape[0], -1)
+        mask = batch.get("mask")
+        real = jnp.ones(per.shape[0]) if mask is None else mask.astype(jnp.float32)
         metrics: dict[str, Any] = {}
-        if class_index and jnp.issubdtype(target.dtype, jnp.integer):
+        class_targets = class_index and jnp.issubdtype(target.dtype, jnp.integer)
+        if class_targets and outputs.ndim == 2:
+            metrics["accuracy"] = (jnp.argmax(outputs, -1) == target).astype(jnp.float32)
+        if reduction == "sum":  # the step's mean over the real rows is then torch's sum
+            losses = rows.sum(1) * jnp.sum(real)
+        elif reduction == "batchmean":
+            losses = rows.sum(1)
+        elif class_targets:
             kept = target != ignore
             w = jnp.ones(target.shape) if weight is None else weight[jnp.where(kept, target, 0)]
             counted = (w * kept).reshape(per.shape[0], -1).sum(1)
-            mask = batch.get("mask")
-            real = jnp.ones(per.shape[0]) if mask is None else mask.astype(jnp.float32)
             total = jnp.sum(counted * real)
             losses = rows.sum(1) * jnp.sum(real) / jnp.where(total > 0, total, 1.0)
-            if outputs.ndim == 2:
-                metrics["accuracy"] = (jnp.argmax(outputs, -1) == target).astype(jnp.float32)
         else:
             losses = rows.mean(1)
         return losses, metrics

@@ -28,7 +28,12 @@ from torchshell._module_parts import (
     HandOverPart,
     TrainerFlagsPart,
 )
-from torchshell._torch_loss import is_torch_loss, torch_loss_fn
+from torchshell._torch_loss import (
+    is_torch_loss,
+    torch_function_loss,
+    torch_loss_fn,
+    written_in_torch,
+)
 from torchshell._train_log import TrainLog, find_lrs, fresh
 from torchshell._windows import WindowPart, resolve_steps_per_call
 from torchshell.checkpoint import restore_state
@@ -124,9 +129,11 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.batch_keys = tuple(batch_keys)
         names = [self._input_name(i) for i in inputs]
         self.model_fns = model if isinstance(model, ModelFns) else jaxcore.linen_model(model, names)
+        label = next((k for k in self.batch_keys if k not in names), "y")
         if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
-            label = next((k for k in self.batch_keys if k not in names), "y")
             loss_fn = torch_loss_fn(loss_fn, label_key=label)
+        elif written_in_torch(loss_fn):  # the team's own def loss(out, y): F.... (torchax)
+            loss_fn = torch_function_loss(loss_fn, label_key=label)
         else:  # a JAX loss may return batch means, or no metrics: one value per row here
             loss_fn = jaxcore.per_example(loss_fn)
         if isinstance(optimizer, torch.optim.Optimizer):

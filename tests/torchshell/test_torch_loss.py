@@ -78,10 +78,13 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[nn.Module], Any], TensorData
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_own_torch_loss_and_optimizer_train_like_plain_torch(case: str) -> None:
-    make_loss, make_opt, data = CASES[case]
-    loader = DataLoader(data, batch_size=12, shuffle=False)
+def _trains_like_plain_torch(
+    make_loss: Callable[[], Any],
+    make_opt: Callable[[nn.Module], Any],
+    data: TensorDataset,
+    batch_size: int = 12,
+) -> None:
+    loader = DataLoader(data, batch_size=batch_size, shuffle=False)
     net = _net()
     jm = JaxModule.from_torch(net, make_loss(), make_opt(net), print_summary=False)
     trainer = quiet_trainer(max_steps=8, max_epochs=-1)
@@ -105,6 +108,69 @@ def test_own_torch_loss_and_optimizer_train_like_plain_torch(case: str) -> None:
         )
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_own_torch_loss_and_optimizer_train_like_plain_torch(case: str) -> None:
+    _trains_like_plain_torch(*CASES[case])
+
+
+def _own_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A team's own loss function: torch ops, a batch mean, a regulariser."""
+    return F.cross_entropy(out, y) + 0.01 * torch.mean(out.pow(2))
+
+
+class OwnLoss(nn.Module):  # a team's own loss module, with no `reduction`
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.smooth_l1_loss(out, y, beta=0.5) + (out - y).abs().mean()
+
+
+def _soft_targets() -> TensorDataset:
+    x, _ = _targets(False).tensors
+    return TensorDataset(x, torch.softmax(x[:, :OUT] * 3.0, -1))
+
+
+OWN: dict[str, tuple[Callable[[], Any], Callable[[nn.Module], Any], TensorDataset]] = {
+    "own torch function": (
+        lambda: _own_loss,
+        lambda n: torch.optim.Adam(n.parameters(), lr=1e-2),
+        _classes(),
+    ),
+    "own loss module": (
+        OwnLoss,
+        lambda n: torch.optim.SGD(n.parameters(), lr=0.1),
+        _targets(False),
+    ),
+    "KLDivLoss(batchmean)": (
+        lambda: nn.KLDivLoss(reduction="batchmean"),
+        lambda n: torch.optim.SGD(n.parameters(), lr=0.1),
+        _soft_targets(),
+    ),
+    "MSELoss(sum)": (
+        lambda: nn.MSELoss(reduction="sum"),
+        lambda n: torch.optim.SGD(n.parameters(), lr=1e-3),
+        _targets(False),
+    ),
+    "CrossEntropyLoss(weight, label_smoothing, ignore_index)": (
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0]), label_smoothing=0.2),
+        lambda n: torch.optim.Adam(n.parameters(), lr=1e-2),
+        _classes(ignored=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN))
+def test_the_teams_own_loss_and_every_reduction_train_like_plain_torch(case: str) -> None:
+    """Batches of 10 over 48 rows: step 5 is the padded last batch of the epoch."""
+    _trains_like_plain_torch(*OWN[case], batch_size=10)
+
+
+def test_a_loss_with_reduction_none_is_refused_with_the_fix() -> None:
+    net = _net()
+    with pytest.raises(ConfigError, match=r"reduction='none'.*Fix"):
+        JaxModule.from_torch(
+            net, nn.MSELoss(reduction="none"), jaxcore.make_optimizer(), print_summary=False
+        )
+
+
 def test_validation_loss_of_a_torch_loss_is_torchs_mean_over_the_real_rows() -> None:
     """40 rows in batches of 16: the last batch is padded to 16 and masked; the validation
     loss is still torch's cross entropy over exactly the 40 rows."""
@@ -123,14 +189,7 @@ def test_validation_loss_of_a_torch_loss_is_torchs_mean_over_the_real_rows() -> 
     assert metrics["val/loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_a_torch_optimizer_without_a_torch_module_and_a_loss_without_reduction_are_named() -> None:
+def test_a_torch_optimizer_without_a_torch_module_is_named() -> None:
     net = _net()
     with pytest.raises(ConfigError, match="from_torch"):
         JaxModule(MLP(features=(8,)), nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters()))
-
-    class Scalar(nn.Module):  # a custom loss module with no `reduction`
-        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return (out - y).pow(2).mean()
-
-    with pytest.raises(ConfigError, match="reduction='none'"):
-        JaxModule.from_torch(net, Scalar(), jaxcore.make_optimizer(), print_summary=False)
