@@ -12,7 +12,7 @@ from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_co
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
 from jaxcore.losses import masked_mean, per_example, softmax_cross_entropy
 from jaxcore.mesh import make_mesh, set_cpu_devices
-from jaxcore.model import ModelFns, linen_model
+from jaxcore.model import ModelFns, linen_model, nnx_model
 from jaxcore.optim import current_lr, make_optimizer, make_schedule
 from jaxcore.precision import resolve_dtype
 from jaxcore.sharding import (
@@ -60,6 +60,7 @@ __all__ = [
     "make_schedule",
     "make_train_step",
     "masked_mean",
+    "nnx_model",
     "parse_rules",
     "per_example",
     "plan_shardings",

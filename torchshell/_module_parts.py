@@ -295,8 +295,9 @@ class CheckpointPart(_Shared):
     def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
 
-        For a Flax model the params and model state (e.g. ``batch_stats``) go through
-        :func:`bridge.export_state_dict`; for :meth:`from_torch` modules they already are one.
+        For a Flax model the params and model state (e.g. ``batch_stats``; an NNX module's
+        ``BatchStat`` variables) go through :func:`bridge.export_state_dict`; for
+        :meth:`from_torch` modules they already are one.
         """
         if self.state is None:
             raise ConfigError("No trained state yet: run trainer.fit first.")
@@ -306,9 +307,10 @@ class CheckpointPart(_Shared):
             return params_to_state_dict(
                 self.state.params, self.state.model_state, self.torch_module
             )
-        return bridge.export_state_dict(
-            {"params": self.state.params, **self.state.model_state}, twin
-        )
+        state = self.state.model_state
+        if getattr(self, "nnx_model", False):  # an NNX module's other variables: BatchStat
+            state = {"batch_stats": state} if state else {}
+        return bridge.export_state_dict({"params": self.state.params, **state}, twin)
 
     def on_fit_end(self) -> None:
         pending = self._restore_dir is not None or self._restore_tensors is not None

@@ -13,9 +13,10 @@ reduced so that the masked mean equals torch's own ``reduction="mean"`` on the r
 - the loss's own ``reduction`` is kept: ``"sum"`` (each row's sum times the real rows, so the
   mean is torch's sum) and ``"batchmean"`` (``KLDivLoss``: each row's sum).
 
-A team's own loss *function* (or a loss module without ``reduction``) written with torch ops (``def loss(out, y): return
-F.cross_entropy(out.flatten(0, 1), y.flatten())``) is run by torchax as it is, row by row
-(:func:`jaxcore.per_example`), so a padded last batch stays exact.
+A team's own loss *function* (or a loss module without ``reduction``) written with torch ops
+(``def loss(out, y): return F.cross_entropy(out.flatten(0, 1), y.flatten())``) is run by
+torchax as it is, row by row (:func:`jaxcore.per_example`), so a padded last batch stays
+exact.
 """
 
 from __future__ import annotations

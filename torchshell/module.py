@@ -13,6 +13,7 @@ import jax
 import lightning as L
 import optax
 import torch
+from flax import nnx
 from jax.sharding import Mesh
 
 import bridge
@@ -63,7 +64,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     carried out in the JAX step (see :mod:`torchshell._flags`).
 
     Args:
-        model: a Flax linen module, or :class:`jaxcore.ModelFns`.
+        model: a Flax linen module, a Flax NNX module, or :class:`jaxcore.ModelFns`.
         loss_fn: ``(outputs, batch) -> (loss[B], {name: metric[B]})``; a loss that returns
             only the loss, or batch means, is evaluated per row (:func:`jaxcore.per_example`).
         optimizer: an optax ``GradientTransformation`` (e.g. :func:`jaxcore.make_optimizer`).
@@ -99,7 +100,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
 
     def __init__(
         self,
-        model: nn.Module | ModelFns,
+        model: nn.Module | nnx.Module | ModelFns,
         loss_fn: LossFn,
         optimizer: optax.GradientTransformation | None,
         *,
@@ -128,7 +129,13 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.automatic_optimization = False
         self.batch_keys = tuple(batch_keys)
         names = [self._input_name(i) for i in inputs]
-        self.model_fns = model if isinstance(model, ModelFns) else jaxcore.linen_model(model, names)
+        self.nnx_model = isinstance(model, nnx.Module)
+        if isinstance(model, ModelFns):
+            self.model_fns = model
+        elif isinstance(model, nnx.Module):  # Flax NNX: params as a plain nested dict
+            self.model_fns = jaxcore.nnx_model(model, names)
+        else:
+            self.model_fns = jaxcore.linen_model(model, names)
         label = next((k for k in self.batch_keys if k not in names), "y")
         if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
             loss_fn = torch_loss_fn(loss_fn, label_key=label)
