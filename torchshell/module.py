@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import lightning as L
+import numpy as np
 import optax
 import torch
 from flax import nnx
@@ -373,6 +374,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         for _ in range(steps):
             progress.increment_ready()
             progress.increment_completed()
+        self._last_metrics = metrics
         self._after_step(metrics, rows_ * (micro if m > 1 else 1))
         self.train_log.compute += time.perf_counter() - t0
         every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
@@ -444,8 +446,22 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     def on_train_epoch_end(self) -> None:
         self._window = []  # (a window never spans epochs: the last batch closes it)
 
+    def _last_step_values(self) -> None:
+        """``callback_metrics`` end with the last step's values, as in plain Lightning.
+
+        Also when it was not a logging step (a run shorter than ``log_every_n_steps``): one
+        fetch per fit. Reading ``state`` first runs any buffered batches.
+        """
+        if self.state is None or not self._last_metrics:
+            return
+        last = jax.device_get(self._train_values(self._last_metrics))
+        self.trainer.callback_metrics.update(
+            {k: torch.tensor(float(np.ravel(v)[-1])) for k, v in last.items()}
+        )
+
     def on_train_end(self) -> None:
         self.train_log.finish()
+        self._last_step_values()
         if self.state is not None and self.nan_policy == "stop":
             jaxcore.check_finite(self.state)
 

@@ -9,6 +9,7 @@ from typing import Any
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
+import lightning as L
 import numpy as np
 import optax
 import torch
@@ -31,10 +32,11 @@ def _mean_ce(out: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
 
 
-def _fit(model: Any) -> JaxModule:
+def _fit(model: Any) -> tuple[JaxModule, L.Trainer]:
     jm = JaxModule(model, _mean_ce, optax.sgd(0.3), print_summary=False)
-    quiet_trainer(max_steps=STEPS).fit(jm, DataLoader(_data(), batch_size=BATCH))
-    return jm
+    trainer = quiet_trainer(max_steps=STEPS)  # (fewer steps than log_every_n_steps)
+    trainer.fit(jm, DataLoader(_data(), batch_size=BATCH))
+    return jm, trainer
 
 
 def _batches() -> list[tuple[jax.Array, jax.Array]]:
@@ -63,7 +65,7 @@ class Deterministic(linen.Module):
 
 
 def test_a_linen_model_without_a_mode_argument_trains_like_a_plain_optax_loop() -> None:
-    jm = _fit(Plain())
+    jm, trainer = _fit(Plain())
     params = jm.state.params
     # the same math from the initial params coreshell drew (jaxcore.init_train_state's key)
     init_key, _ = jax.random.split(jax.random.key(jm.seed))
@@ -71,11 +73,16 @@ def test_a_linen_model_without_a_mode_argument_trains_like_a_plain_optax_loop() 
     tx = optax.sgd(0.3)
     p, opt = start, tx.init(start)
     for x, y in _batches():
-        grads = jax.grad(lambda q: _mean_ce(Plain().apply({"params": q}, x), {"y": y}))(p)  # noqa: B023
+        loss, grads = jax.value_and_grad(
+            lambda q: _mean_ce(Plain().apply({"params": q}, x), {"y": y})  # noqa: B023
+        )(p)
         updates, opt = tx.update(grads, opt, p)
         p = optax.apply_updates(p, updates)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # a run shorter than log_every_n_steps still ends with its last step's loss, as in Lightning
+    logged = trainer.callback_metrics["train/loss"]
+    np.testing.assert_allclose(float(logged), float(loss), rtol=1e-5)
 
 
 def test_deterministic_is_the_negated_mode() -> None:
@@ -100,7 +107,7 @@ class Net(nnx.Module):
 
 
 def test_an_nnx_module_trains_like_a_plain_nnx_loop_batch_stats_included() -> None:
-    jm = _fit(Net(nnx.Rngs(0)))
+    jm, _ = _fit(Net(nnx.Rngs(0)))
     assert set(jm.state.params) == {"l1", "bn", "l2"}  # plain nested dicts, by attribute
 
     model = Net(nnx.Rngs(0))  # the same initial weights: the module's own
@@ -131,7 +138,7 @@ class Twin(torch.nn.Module):
 
 
 def test_a_trained_nnx_module_exports_to_its_torch_twin_with_parity() -> None:
-    jm = _fit(Net(nnx.Rngs(0)))
+    jm, _ = _fit(Net(nnx.Rngs(0)))
     twin = Twin()
     twin.load_state_dict(jm.torch_state_dict(twin), strict=True)  # batch stats included
     x = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)

@@ -134,7 +134,6 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
         self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
-        self._last_step: dict[str, jax.Array] | None = None  # the last step's metrics
         for hook in _EVAL_HOOKS[:2]:  # Lightning skips a loop whose hook is not overridden
             # (predict_step stays: Lightning's default one calls the module's forward)
             if not port.overrides(hook):
@@ -175,8 +174,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
 
         def both(*args: Any, **kwargs: Any) -> Any:
             ours(*args, **kwargs)
-            if hook == "on_train_batch_end" and self._last_step is not None:
-                args = ({"loss": bridge.to_torch(self._last_step["loss"])}, *args[1:])
+            if hook == "on_train_batch_end" and self._last_metrics:
+                args = ({"loss": bridge.to_torch(self._last_metrics["loss"])}, *args[1:])
             user = self.port.module
             user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
             try:

@@ -45,7 +45,7 @@ class UserMetrics:
     port: Any
     trainer: Any
     _epoch: Any
-    _last_step: dict[str, jax.Array] | None
+    _last_metrics: dict[str, jax.Array]
     log: Any
 
     def _train_specs(self) -> dict[str, LogSpec]:
@@ -80,7 +80,6 @@ class UserMetrics:
                     self.log(name, logs[key], prog_bar=True, logger=False)
 
     def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
-        self._last_step = metrics  # (read on the host once per epoch, and by a user's hook)
         epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch}
         if not epoch:
             return
@@ -94,7 +93,7 @@ class UserMetrics:
 
     def on_train_epoch_end(self) -> None:
         super().on_train_epoch_end()  # type: ignore[misc]
-        self._last_step_values()
+        self._user_step_values()
         if self._epoch is None:
             return
         acc, self._epoch = jax.device_get(self._epoch), None
@@ -115,14 +114,17 @@ class UserMetrics:
                 self.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
 
     def _last_step_values(self) -> None:
+        """(Done per epoch, under the user's names: :meth:`_user_step_values`.)"""
+
+    def _user_step_values(self) -> None:
         """``callback_metrics`` hold the epoch's last on-step values, as in plain Lightning.
 
         (Lightning updates them every step; here they are fetched once per epoch, so a run
         shorter than ``log_every_n_steps`` still ends with them.)
         """
-        if self._last_step is None:
+        if not self._last_metrics:
             return
-        values = jax.device_get(self._train_values(self._last_step))
+        values = jax.device_get(self._train_values(self._last_metrics))
         for name, spec in self._train_specs().items():
             key = f"{name}_step" if spec.on_epoch else name
             if spec.on_step and key in values:
