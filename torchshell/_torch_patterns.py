@@ -25,6 +25,7 @@ which are host reads, and the step matches them by that number.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -222,14 +223,43 @@ def environment(reads: Reads) -> Any:
 
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
-    """Constant folding on and torch's fused fast paths off, for the duration of a trace."""
+    """Constant folding on and torch's fused fast paths off, for the duration of a trace.
+
+    Also torchmetrics' input checks off (``_*_tensor_validation``: ``torch.unique`` of the
+    predictions, a shape that depends on values), so its functional metrics
+    (``torchmetrics.functional.accuracy(preds, y, task="multiclass", ...)``) trace.
+    """
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
+    checks = _metric_checks()
     try:
+        for module, name in checks:
+            setattr(module, name, _no_check)
         with jax.ensure_compile_time_eval():  # batch-independent values stay concrete
             yield
     finally:
+        for (module, name), check in checks.items():
+            setattr(module, name, check)
         torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _metric_checks() -> dict[tuple[Any, str], Callable[..., Any]]:
+    """torchmetrics' tensor validators, where a loaded torchmetrics module refers to them.
+
+    (Only modules already imported: this never imports torchmetrics itself.)
+    """
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torchmetrics."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") and attr.endswith("_tensor_validation") and callable(value):
+                found[(module, attr)] = value
+    return found
 
 
 def explore(run: Callable[[tuple[bool, ...]], Any], max_paths: int, where: str) -> Any:

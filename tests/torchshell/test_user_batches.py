@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
+import torchmetrics.functional as tmf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -482,3 +483,37 @@ class ZeroGradHook(Small):
 def test_a_zero_grad_hook_is_refused_not_skipped() -> None:
     with pytest.raises(ConfigError, match=r"on_before_zero_grad"):
         JaxModule.from_lightning(ZeroGradHook())
+
+
+class WithFunctionalMetrics(Small):
+    """Lightning's docs' pattern: ``torchmetrics.functional`` in the steps, logged per batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        preds = logits.argmax(-1)  # class indices: torchmetrics checks them with torch.unique
+        self.log("train_acc", tmf.accuracy(preds, y, task="multiclass", num_classes=3))
+        return nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        preds = self.net(x).argmax(-1)
+        self.log("val_acc", tmf.accuracy(preds, y, task="multiclass", num_classes=3))
+        self.log("val_f1", tmf.f1_score(preds, y, task="multiclass", num_classes=3))
+
+
+def test_functional_torchmetrics_in_the_steps_log_as_in_plain_lightning(tmp_path: Path) -> None:
+    results = []
+    for wrap in (lambda m: m, lambda m: JaxModule.from_lightning(m, print_summary=False)):
+        torch.manual_seed(0)
+        trainer = _quiet_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0)
+        trainer.fit(wrap(WithFunctionalMetrics()), DataLoader(_rows(), 16), DataLoader(_rows(), 16))
+        results.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+    assert set(results[0]) == set(results[1]) == {"train_acc", "val_acc", "val_f1"}
+    for name, value in results[0].items():
+        assert results[1][name] == pytest.approx(value, abs=1e-5), name
+    # and torchmetrics still checks its inputs outside the traced step
+    with pytest.raises(RuntimeError, match=r"more unique values in `preds`"):
+        tmf.accuracy(
+            torch.tensor([0, 1, 2, 7]), torch.tensor([0, 1, 2, 0]), "multiclass", num_classes=3
+        )
