@@ -212,13 +212,38 @@ def environment(reads: Reads) -> Any:
     # only the users of this path should pay for.
     from torch._decomp import get_decompositions
     from torchax import tensor as torchax_tensor
+    from torchax.ops import ops_registry
 
     env = torchax_tensor.Environment()
     ops = [getattr(torch.ops.aten, name).default for name in _BATCH_NORM_OPS]
     for op, impl in get_decompositions(ops).items():
         env.override_op_definition(op, impl)
+    bincount = torch.ops.aten.bincount.default
+    env._ops[bincount] = ops_registry.Operator(
+        bincount,
+        _bincount,
+        is_jax_function=True,
+        is_user_defined=True,
+        needs_env=False,
+        is_view_op=False,
+    )
     _scalar_reads(env, reads)
     return env
+
+
+def _bincount(x: jax.Array, weights: jax.Array | None = None, minlength: int = 0) -> jax.Array:
+    """``torch.bincount`` with ``minlength`` bins (torchmetrics' confusion counts).
+
+    torch's length is ``max(minlength, x.max() + 1)``, a value; traced, it is ``minlength``
+    (a value past it, which torch would count in a longer result, is not counted).
+    """
+    if not minlength:
+        raise TorchModelError(
+            "torch.bincount without minlength has a length that depends on the values, which "
+            "a compiled JAX step cannot have. Fix: pass minlength= (the number of bins)."
+        )
+    counts = jnp.bincount(x, weights, length=int(minlength))
+    return counts if weights is not None else counts.astype(jnp.int32)
 
 
 @contextlib.contextmanager

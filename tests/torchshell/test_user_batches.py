@@ -112,15 +112,17 @@ class WithMetric(L.LightningModule):
 def test_a_torchmetrics_metric_in_the_step_is_refused_with_the_fix(tmp_path: Path) -> None:
     data = TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,)))
     user = WithMetric()
+    own = {m: vars(user.acc)[m] for m in ("update", "compute")}  # torchmetrics' wrappers
     jm = JaxModule.from_lightning(user, print_summary=False)
     with pytest.raises(
         ConfigError,
         match=r"WithMetric.training_step runs the torchmetrics metric self.acc "
-        r"\(MulticlassAccuracy\).*argmax",
+        r"\(MulticlassAccuracy\).*validation_step and test_step do.*torchmetrics.functional",
     ):
         _fit(jm, DataLoader(data, batch_size=8), tmp_path)
     # the user's metric works again afterwards: nothing of the refusal is left on it
-    assert not {"forward", "update", "compute"} & set(vars(user.acc))
+    assert "forward" not in vars(user.acc)
+    assert {m: vars(user.acc)[m] for m in own} == own
     user.acc(torch.eye(3), torch.arange(3))
     assert float(user.acc.compute()) == 1.0
 
@@ -517,3 +519,47 @@ def test_functional_torchmetrics_in_the_steps_log_as_in_plain_lightning(tmp_path
         tmf.accuracy(
             torch.tensor([0, 1, 2, 7]), torch.tensor([0, 1, 2, 0]), "multiclass", num_classes=3
         )
+
+
+class WithMetricObjects(Small):
+    """torchmetrics objects in validation_step, in the three ways Lightning's docs show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+        self.val_f1 = torchmetrics.F1Score(task="multiclass", num_classes=3, average="macro")
+        self.extra = torchmetrics.MetricCollection(
+            {"prec": torchmetrics.Precision(task="multiclass", num_classes=3)}
+        )
+        self.val_loss = torchmetrics.MeanMetric()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.val_acc(logits, y)  # the object logged: its batch value, then its epoch compute
+        self.log("val_acc", self.val_acc, prog_bar=True)
+        self.log("val_f1_batch", self.val_f1(logits.argmax(-1), y))  # forward's batch value
+        self.extra["prec"].update(logits, y)  # updated here, computed in the epoch hook
+        self.val_loss.update(nn.functional.cross_entropy(logits, y, reduction="none"))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_prec", self.extra["prec"].compute())
+        self.log("val_loss", self.val_loss.compute())
+        self.extra.reset()
+        self.val_loss.reset()
+
+
+def test_torchmetrics_objects_in_validation_log_as_in_plain_lightning(tmp_path: Path) -> None:
+    """Batches of 24 over 64 rows (a short last batch): epoch values are the metrics' own
+    compute over every row, not means of batch values."""
+    results = []
+    for wrap in (lambda m: m, lambda m: JaxModule.from_lightning(m, print_summary=False)):
+        torch.manual_seed(0)
+        trainer = _quiet_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0)
+        user = WithMetricObjects()
+        trainer.fit(wrap(user), DataLoader(_rows(), 16), DataLoader(_rows(), 24))
+        results.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        assert int(user.val_acc._update_count) == 0  # Lightning reset it after the epoch
+    assert set(results[0]) == set(results[1]) == {"val_acc", "val_f1_batch", "val_prec", "val_loss"}
+    for name, value in results[0].items():
+        assert results[1][name] == pytest.approx(value, abs=1e-5), name

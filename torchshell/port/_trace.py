@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import warnings
 from collections.abc import Iterator, Mapping
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import lightning as L
+import numpy as np
 import torch
 from torchmetrics import Metric
 
@@ -28,7 +30,7 @@ from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell.torch_model import TorchTracer
 
-__all__ = ["HOOKS", "LightningPort", "LogSpec"]
+__all__ = ["HOOKS", "METRIC_KEY", "LightningPort", "LogSpec", "MetricCall", "add_metric_states"]
 
 PyTree = Any
 
@@ -40,7 +42,8 @@ HOOKS = {
     "predict_step": (False, False),
 }
 _REDUCE = ("mean", "sum", "max", "min")
-_METRIC_METHODS = ("forward", "update", "compute")
+_METRIC_METHODS = ("forward", "update", "compute", "_cast_and_nan_check_input")
+_METRIC_HOOKS = ("validation_step", "test_step")  # torchmetrics objects run here (host update)
 _COUNTERS = ("global_step", "current_epoch")  # Trainer progress a step may read
 
 
@@ -55,6 +58,61 @@ class LogSpec:
     on_epoch: bool = False
     reduce_fx: str = "mean"
     batch_size: int | None = None
+    metric: str | None = None  # a torchmetrics object logged (its attribute path)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricCall:
+    """One call of a torchmetrics object in a traced evaluation step.
+
+    The step computes the metric's states on the batch alone (``states``: name ->
+    ``"sum"``/``"max"``/``"min"``, torchmetrics' ``dist_reduce_fx``) and, for ``forward``,
+    its batch value; the host adds them to the user's real metric, as its ``update`` would.
+    """
+
+    path: str
+    forward: bool
+    states: tuple[tuple[str, str], ...]
+
+
+METRIC_KEY = "metric_call/"  # logs keys of metric calls: metric_call/<i>/<state> or /value
+
+
+def _state_reductions(metric: Metric) -> tuple[tuple[str, str], ...] | None:
+    """``((state, "sum"|"max"|"min"), ...)``, or ``None`` when a state is not such a tensor."""
+    from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
+
+    kinds: dict[Any, str] = {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}
+    out = []
+    for name, default in metric._defaults.items():
+        kind = kinds.get(metric._reductions[name])
+        if kind is None or not isinstance(default, torch.Tensor):
+            return None
+        out.append((name, kind))
+    return tuple(out)
+
+
+def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any], i: int) -> None:
+    """Adds one traced call's batch states (host arrays) to the user's real ``metric``.
+
+    The same as its ``update`` on that batch: states combined by their reduction, the update
+    counted, the cached value cleared; a ``forward`` also leaves its batch value where
+    Lightning reads it when the metric object is logged (``_forward_cache``).
+    """
+    for name, kind in call.states:
+        old = getattr(metric, name)
+        new = torch.tensor(np.array(host[f"{METRIC_KEY}{i}/{name}"])).to(old.dtype)  # a copy
+        new = new.reshape(old.shape)
+        if kind == "sum":
+            setattr(metric, name, old + new)
+        else:
+            setattr(
+                metric, name, torch.maximum(old, new) if kind == "max" else torch.minimum(old, new)
+            )
+    metric._update_count += 1
+    metric._computed = None
+    if call.forward:
+        metric._forward_cache = torch.tensor(np.array(host[f"{METRIC_KEY}{i}/value"]))  # type: ignore[assignment]
 
 
 def _reduce_name(reduce_fx: Any) -> str:
@@ -66,6 +124,43 @@ def _reduce_name(reduce_fx: Any) -> str:
             f"one of {_REDUCE} (or torch.mean/sum/max/min). Fix: use one of them."
         )
     return name
+
+
+def _nan_check_traced(metric: Any, x: Any, weight: Any = None) -> tuple[Any, Any]:
+    """torchmetrics' aggregator input check, shape-static: NaN rows get a neutral value.
+
+    torchmetrics drops NaN values (``nan_strategy="warn"``/``"ignore"``: boolean indexing, a
+    shape that depends on values) or fills them (a float). Here a dropped value becomes one
+    that changes nothing (weight 0 and value 0 for a mean or sum, -inf for a max, +inf for a
+    min), the same result; ``"error"`` cannot raise inside a compiled step and lets the NaN
+    through to the logged value instead.
+    """
+    dtype = metric.dtype
+    x = x.to(dtype) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+    if weight is None:
+        weight = torch.ones_like(x)
+    elif not isinstance(weight, torch.Tensor):
+        weight = torch.full_like(x, float(weight))
+    weight = torch.broadcast_to(weight.to(dtype), x.shape)
+    strategy = metric.nan_strategy
+    if strategy in ("disable", "error"):
+        return x, weight
+    nans = torch.isnan(x) | torch.isnan(weight)
+    if isinstance(strategy, float):
+        return torch.where(nans, strategy, x), torch.where(nans, 1.0, weight)
+    neutral = {"MaxMetric": -torch.inf, "MinMetric": torch.inf}.get(type(metric).__name__, 0.0)
+    return torch.where(nans, neutral, x), torch.where(nans, 0.0, weight)
+
+
+def _path_of(module: torch.nn.Module, metric: Metric) -> str:
+    for path, sub in module.named_modules():
+        if sub is metric:
+            return path
+    raise ConfigError(
+        f"self.log got a {type(metric).__name__} that is not an attribute of the module: "
+        "Lightning logs metric objects the module owns. Fix: assign it in __init__ "
+        "(self.acc = ...)."
+    )
 
 
 def _counting_class(cls: type, read: set[str]) -> type:
@@ -140,6 +235,7 @@ class LightningPort:
         self.embeddings = EmbeddingChecks()
         self.embeddings.install(self.tracer.env)
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
+        self.metric_calls: dict[str, list[MetricCall]] = {hook: [] for hook in HOOKS}
         self._warned: set[tuple[str, str]] = set()
 
     def overrides(self, hook: str) -> bool:
@@ -149,8 +245,14 @@ class LightningPort:
         return is_overridden(hook, self.module, parent=L.LightningModule)
 
     @contextlib.contextmanager
-    def _capture(self, hook: str, records: list[tuple[LogSpec, Any]]) -> Iterator[None]:
+    def _capture(
+        self,
+        hook: str,
+        records: list[tuple[LogSpec, Any]],
+        calls: list[tuple[MetricCall, dict[str, Any]]],
+    ) -> Iterator[None]:
         on_step_default, on_epoch_default = HOOKS[hook]
+        cached: dict[str, Any] = {}  # metric path -> its traced batch value (forward)
 
         def log(
             name: str,
@@ -168,7 +270,11 @@ class LightningPort:
             metric_attribute: str | None = None,
             rank_zero_only: bool = False,
         ) -> None:
-            if isinstance(value, Mapping) or not isinstance(value, (torch.Tensor, int, float)):
+            metric = None
+            if isinstance(value, Metric) and hook in _METRIC_HOOKS:
+                metric = _path_of(self.module, value)
+                value = cached.get(metric, 0.0)  # its batch value (forward), as Lightning logs
+            elif isinstance(value, Mapping) or not isinstance(value, (torch.Tensor, int, float)):
                 raise ConfigError(
                     f"self.log({name!r}, ...) in {hook} got a {type(value).__name__}: a "
                     "traced step logs tensors or numbers (torchmetrics objects keep state "
@@ -183,13 +289,17 @@ class LightningPort:
                 on_epoch=on_epoch_default if on_epoch is None else bool(on_epoch),
                 reduce_fx=_reduce_name(reduce_fx),
                 batch_size=batch_size,
+                metric=metric,
             )
             records.append((spec, value))
 
         self.module.log = log  # type: ignore[method-assign]  # an instance attribute
         device = self.module._device
         self.module._device = torch.device("jax")  # tensors made on self.device are traced
-        metrics = self._refuse_metrics(hook)
+        if hook in _METRIC_HOOKS:
+            metrics = self._traced_metrics(hook, calls, cached)
+        else:
+            metrics = self._refuse_metrics(hook)
         user_class = type(self.module)
         read: set[str] = set()
         self.module.__class__ = _counting_class(user_class, read)
@@ -199,41 +309,109 @@ class LightningPort:
             self.module.__class__ = user_class
             del self.module.log
             self.module._device = device
-            for metric in metrics:
+            for metric, before in metrics:
                 for method in _METRIC_METHODS:
                     metric.__dict__.pop(method, None)
+                metric.__dict__.update(before)  # torchmetrics' own wrapped update/compute
         for name in sorted(read):
             if (hook, name) not in self._warned:
                 self._warned.add((hook, name))
                 _warn_at(getattr(user_class, hook), f"{user_class.__name__}.{hook}", name)
 
-    def _refuse_metrics(self, hook: str) -> list[Metric]:
-        """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
+    def _traced_metrics(
+        self,
+        hook: str,
+        calls: list[tuple[MetricCall, dict[str, Any]]],
+        cached: dict[str, Any],
+    ) -> list[tuple[Metric, dict[str, Any]]]:
+        """The module's torchmetrics objects, run on the traced batch alone.
 
-        A metric accumulates its state in torch tensors between steps (and its updates use
-        value-dependent shapes, e.g. ``bincount``): it cannot run in a compiled step, and
-        tracing it would fail deep inside torchmetrics with a message about shapes.
+        ``forward``/``update`` compute the metric's states on this batch (from its defaults,
+        with its own update code) and, for ``forward``, the batch value (its own compute);
+        the states are recorded for the host (:func:`add_metric_states`) and the metric's
+        own states are left as they were. ``compute`` inside the step is refused (it would
+        read the states of other batches).
         """
-        owner = type(self.module).__name__
-        metrics = []
-        for name, metric in self.module.named_modules():
+        patched = []
+        for path, metric in self.module.named_modules():
             if not isinstance(metric, Metric):
                 continue
-
-            def refuse(*args: Any, _name: str = name, _m: Metric = metric, **kw: Any) -> Any:
-                raise ConfigError(
-                    f"{owner}.{hook} runs the torchmetrics metric self.{_name} "
-                    f"({type(_m).__name__}): a metric keeps its state in torch between steps, "
-                    "outside the compiled JAX step, so it cannot run inside it. Fix: compute "
-                    "the value as a torch expression of the batch and log it, e.g. "
-                    'self.log("acc", (logits.argmax(-1) == y).float().mean(), on_epoch=True) '
-                    "(Lightning's mean over the epoch's batches), or pass the metric's inputs "
-                    "out of predict_step and run the metric on the host."
+            before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
+            patched.append((metric, before))
+            states = _state_reductions(metric)
+            if states is None:
+                why = "its state is a list (all predictions, e.g. AUROC), which grows with data"
+                metric.__dict__.update(
+                    dict.fromkeys(_METRIC_METHODS, self._refusal(hook, path, why))
                 )
+                continue
 
-            for method in _METRIC_METHODS:
-                metric.__dict__[method] = refuse
-            metrics.append(metric)
+            def run(
+                *args: Any,
+                _p: str = path,
+                _m: Metric = metric,
+                _s: Any = states,
+                _f: bool = True,
+                **kw: Any,
+            ) -> Any:
+                own = {name: getattr(_m, name) for name, _ in _s}
+                for name, _ in _s:
+                    default: Any = _m._defaults[name]  # (a tensor: _state_reductions)
+                    setattr(_m, name, default.detach().clone().to(self.module._device))
+                try:
+                    type(_m).update(_m, *args, **kw)
+                    batch = {name: getattr(_m, name) for name, _ in _s}
+                    if _f:
+                        batch["value"] = cached[_p] = type(_m).compute(_m)
+                finally:
+                    for name, value in own.items():
+                        setattr(_m, name, value)
+                calls.append((MetricCall(_p, _f, _s), batch))
+                return batch.get("value")
+
+            if hasattr(metric, "_cast_and_nan_check_input"):  # MeanMetric, SumMetric...
+                metric.__dict__["_cast_and_nan_check_input"] = functools.partial(
+                    _nan_check_traced, metric
+                )
+            metric.__dict__["forward"] = run
+            metric.__dict__["update"] = functools.partial(run, _f=False)
+            why = "compute() there would read other batches' states (call it in an epoch hook)"
+            metric.__dict__["compute"] = self._refusal(hook, path, why)
+        return patched
+
+    def _refusal(self, hook: str, path: str, why: str) -> Any:
+        owner = type(self.module).__name__
+        metric = self.module.get_submodule(path)
+
+        def refuse(*args: Any, **kw: Any) -> Any:
+            raise ConfigError(
+                f"{owner}.{hook} runs the torchmetrics metric self.{path} "
+                f"({type(metric).__name__}) in a compiled step: {why}. Fix: log a "
+                "torchmetrics.functional value (accuracy(preds, y, task='multiclass', "
+                "num_classes=C)) or a torch expression of the batch, with on_epoch=True for the "
+                "epoch's mean, or run the metric on the host on predict_step's outputs."
+            )
+
+        return refuse
+
+    def _refuse_metrics(self, hook: str) -> list[tuple[Metric, dict[str, Any]]]:
+        """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
+
+        In ``training_step`` (and ``predict_step``) a metric object would need its states
+        fetched from every step; the evaluation steps run them (:meth:`_traced_metrics`).
+        """
+        why = (
+            "there a metric object is not run (its state would be fetched from the device "
+            "every step; validation_step and test_step do run metric objects)"
+        )
+        metrics = []
+        for path, metric in self.module.named_modules():
+            if isinstance(metric, Metric):
+                before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
+                metric.__dict__.update(
+                    dict.fromkeys(_METRIC_METHODS, self._refusal(hook, path, why))
+                )
+                metrics.append((metric, before))
         return metrics
 
     def call(
@@ -247,19 +425,22 @@ class LightningPort:
     ) -> tuple[Any, dict[str, jax.Array], PyTree]:
         """Runs ``module.<hook>(batch, 0)`` traced; ``(outputs, logged values, new state)``."""
         records: list[tuple[LogSpec, Any]] = []
+        calls: list[tuple[MetricCall, dict[str, Any]]] = []
 
         def fn(b: Any) -> Any:
             # Lightning's precision plugin may have entered torch.autocast around our
             # training_step; the traced step's dtype is the JAX step's, not autocast's.
             with (
-                self._capture(hook, records),
+                self._capture(hook, records, calls),
                 self.embeddings.watching(b),
                 torch.autocast("cpu", enabled=False),
             ):
                 out = getattr(self.module, hook)(b, 0)
-            return out, [value for _, value in records]
+            return out, [value for _, value in records], [states for _, states in calls]
 
-        (out, values), new_state = self.tracer.call(fn, params, model_state, [batch], rng, train)
+        (out, values, states), new_state = self.tracer.call(
+            fn, params, model_state, [batch], rng, train
+        )
         specs: dict[str, LogSpec] = {}
         logs: dict[str, jax.Array] = {}
         for (spec, _), value in zip(records, values, strict=True):
@@ -271,7 +452,10 @@ class LightningPort:
                     "(e.g. .mean())."
                 )
             specs[spec.name], logs[spec.name] = spec, array.reshape(())
+        for i, arrays in enumerate(states):  # a metric's batch states, for the host
+            logs |= {f"{METRIC_KEY}{i}/{k}": jnp.asarray(v) for k, v in arrays.items()}
         self.specs[hook] = specs
+        self.metric_calls[hook] = [call for call, _ in calls]
         return out, logs, new_state
 
     def loss_of(self, out: Any) -> jax.Array:

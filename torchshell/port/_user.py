@@ -21,7 +21,7 @@ import torch
 import bridge
 import jaxcore
 from jaxcore.precision import cast_floating, resolve_dtype
-from torchshell.port._trace import LogSpec
+from torchshell.port._trace import LogSpec, add_metric_states
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 
@@ -168,11 +168,16 @@ class UserEvaluation:
         state = self.init_state(batch)
         out, logs = self._eval_step_for(hook)(state, self._to_jax(batch))
         n = self._leading(batch)
-        for name, value in jax.device_get(logs).items():
-            spec = self.port.specs[hook][name]
+        host = jax.device_get(logs)
+        user = self.port.module
+        for i, call in enumerate(self.port.metric_calls[hook]):  # torchmetrics objects
+            add_metric_states(user.get_submodule(call.path), call, host, i)
+        for name, spec in self.port.specs[hook].items():
+            value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
             self.log(
                 name,
-                float(value),
+                value,
+                metric_attribute=spec.metric,
                 prog_bar=spec.prog_bar,
                 logger=spec.logger,
                 on_step=spec.on_step,
