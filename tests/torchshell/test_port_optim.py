@@ -302,9 +302,10 @@ class MySGD(torch.optim.SGD):
 
 
 def _refusals() -> dict[str, tuple[Callable[[list[nn.Parameter]], Any], str]]:
-    def plateau(p: list[nn.Parameter]) -> Any:
+    def plateau(p: list[nn.Parameter]) -> Any:  # per epoch it maps (test_plateau.py)
         o = torch.optim.SGD(p, lr=0.1)
-        return {"optimizer": o, "lr_scheduler": S.ReduceLROnPlateau(o), "monitor": "val_loss"}
+        schedule = {"scheduler": S.ReduceLROnPlateau(o), "monitor": "val_loss", "interval": "step"}
+        return {"optimizer": o, "lr_scheduler": schedule}
 
     def other_opt_sched(p: list[nn.Parameter]) -> Any:
         o = torch.optim.SGD(p, lr=0.1)
@@ -320,7 +321,7 @@ def _refusals() -> dict[str, tuple[Callable[[list[nn.Parameter]], Any], str]]:
         "none": (lambda p: None, r"returned None"),
         "adadelta": (lambda p: torch.optim.Adadelta(p), r"torch\.optim\.adadelta\.Adadelta"),
         "subclass": (lambda p: MySGD(p, lr=0.1), r"MySGD has no exact optax mapping"),
-        "plateau": (plateau, r"ReduceLROnPlateau.*'val_loss'"),
+        "plateau-per-step": (plateau, r"ReduceLROnPlateau with interval='step'"),
         "two-optimizers": (
             lambda p: [torch.optim.SGD(p[:2], lr=0.1), torch.optim.Adam(p[2:])],
             r"2 optimizers \(SGD, Adam\)",

@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import lightning as L
+import numpy as np
 import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
@@ -38,6 +40,7 @@ from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
+from torchshell.port._optim_rules import TorchOptState
 from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
 from torchshell.port._trace import LightningPort
@@ -141,6 +144,13 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         for hook in _LOOP_HOOKS:  # the user's own hooks run too, logging through Lightning
             if port.overrides(hook):
                 setattr(self, hook, self._with_user_hook(hook))
+        epoch_end = self.on_train_epoch_end  # (the user's own too, when it has one)
+
+        def on_train_epoch_end() -> None:
+            epoch_end()
+            self._step_plateau()  # after every epoch-end hook, as Lightning steps it
+
+        self.on_train_epoch_end = on_train_epoch_end  # type: ignore[method-assign]
         for hook in _DATA_HOOKS + _TRANSFER_HOOKS:  # the module's own loaders and transforms
             if port.overrides(hook):
                 setattr(self, hook, getattr(module, hook))
@@ -300,6 +310,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         )
         self._train_step = None  # the tables are constants of the compiled step
         self._short_steps = {}
+        self._lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
 
     def optimizer(self) -> optax.GradientTransformation:
         if self.tx is None:
@@ -336,12 +347,70 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
         if self.mapped is None or not self.trainer.optimizers:
             return
-        step, optimizer = self.trainer.global_step, self.trainer.optimizers[0]
-        for index in self.mapped.lr_group:  # read on the host: no device work per step
-            group = self.mapped.groups[index]
+        optimizer = self.trainer.optimizers[0]
+        lrs = self._table_lrs(self.trainer.global_step)  # read on the host: no device work
+        for index in self.mapped.lr_group:
+            optimizer.param_groups[index]["lr"] = lrs[index] * float(self._lr_scale[index])
+
+    def _table_lrs(self, step: int) -> list[float]:
+        assert self.mapped is not None
+        lrs = []
+        for group in self.mapped.groups:
             table = group.tables.get("lr")
-            lr = group.const["lr"] if table is None else table[min(step, len(table) - 1)]
-            optimizer.param_groups[index]["lr"] = float(lr)
+            lrs.append(
+                float(group.const["lr"] if table is None else table[min(step, len(table) - 1)])
+            )
+        return lrs
+
+    def _step_plateau(self) -> None:
+        """Steps the user's ``ReduceLROnPlateau`` schedulers as Lightning does at an epoch's end.
+
+        On the monitored value in ``callback_metrics`` (Lightning's ``strict`` rule when it
+        is missing), every ``frequency`` epochs; the lr each group reaches becomes the JAX
+        step's per-group factor on the tabulated lr (``TorchOptState.scale``, in the
+        checkpointed state). The scheduler is the user's own object, which Lightning
+        checkpoints and restores.
+        """
+        mapped = self.mapped
+        if mapped is None or not mapped.plateau or self.tx is not None or self.state is None:
+            return
+        optimizer = self.trainer.optimizers[0]
+        tables = self._table_lrs(self.trainer.global_step)
+        scale = _scale_of(self.state.opt_state)
+        for group, lr, factor in zip(optimizer.param_groups, tables, scale, strict=True):
+            if not math.isclose(group["lr"], lr * float(factor), rel_tol=1e-6):
+                group["lr"] = lr * float(factor)  # the lr the step uses now (float32 tables)
+        for index in mapped.plateau:
+            config = self._configs[index]
+            if (self.trainer.current_epoch + 1) % config.frequency:
+                continue
+            value = self.trainer.callback_metrics.get(config.monitor)
+            if value is None:
+                message = (
+                    f"ReduceLROnPlateau monitors {config.monitor!r}, which is not among the "
+                    f"logged values {sorted(self.trainer.callback_metrics)}"
+                )
+                if config.strict:
+                    raise ConfigError(
+                        f"{message}. Fix: log it (e.g. self.log({config.monitor!r}, ...) in "
+                        "validation_step), or set 'monitor' in the lr_scheduler dict to one of "
+                        "those."
+                    )
+                warnings.warn(
+                    f"{message}; strict=False: the lr is not updated.", RuntimeWarning, stacklevel=2
+                )
+                continue
+            config.scheduler.step(value)
+        new = np.asarray(
+            [
+                g["lr"] / lr if lr else 1.0
+                for g, lr in zip(optimizer.param_groups, tables, strict=True)
+            ],
+            np.float32,
+        )
+        self._lr_scale = new
+        if not np.array_equal(new, scale):
+            self.state = self.state.replace(opt_state=_with_scale(self.state.opt_state, new))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
@@ -472,6 +541,11 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 if self.flags.clip_val is not None:
                     opt_state = opt_state[1]
                 optimizer, schedulers = state_to_torch(self.mapped, opt_state)
+                for index in self.mapped.plateau:  # stepped on the host: the live objects'
+                    schedulers[index] = self._configs[index].scheduler.state_dict()
+                    live = self.trainer.optimizers[0].param_groups  # (exact, not float32)
+                    for group, now in zip(optimizer["param_groups"], live, strict=True):
+                        group["lr"] = now["lr"]
                 checkpoint["optimizer_states"] = [optimizer]
                 checkpoint["lr_schedulers"] = schedulers
         if user.hparams:
@@ -494,3 +568,23 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         if _state_io.STATE_KEY not in checkpoint and checkpoint.get("optimizer_states"):
             self._restore_optim = checkpoint["optimizer_states"][0]
             self._restore_step = int(checkpoint.get("global_step", 0))
+
+
+def _scale_of(opt_state: Any) -> np.ndarray:
+    """The mapped optimizer's per-group lr factor (host copy) from a (chained) optax state."""
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchOptState)):
+        if isinstance(node, TorchOptState) and node.scale is not None:
+            return np.asarray(node.scale)
+    raise ValueError("no TorchOptState with a scale in the optimizer state")
+
+
+def _with_scale(opt_state: Any, scale: np.ndarray) -> Any:
+    """``opt_state`` with the mapped optimizer's per-group lr factor replaced (same sharding)."""
+
+    def put(node: Any) -> Any:
+        if isinstance(node, TorchOptState) and node.scale is not None:
+            value = jax.device_put(jnp.asarray(scale, jnp.float32), node.scale.sharding)
+            return node._replace(scale=value)
+        return node
+
+    return jax.tree.map(put, opt_state, is_leaf=lambda x: isinstance(x, TorchOptState))

@@ -36,6 +36,7 @@ from torchshell.port._optim_rules import (
 )
 from torchshell.port._sched import (
     FIX,
+    is_plateau,
     parse_configure_optimizers,
     read_group,
     run_schedule,
@@ -98,6 +99,8 @@ class MappedOptimizer:
             torch's order (``None``: not trainable); what the optimizer state converters use.
         source: a private snapshot of the optimizer and schedulers as returned (for
             :func:`~torchshell.port._optim_state.state_to_torch`).
+        plateau: the indices of the ``ReduceLROnPlateau`` configs: the host steps them after
+            validation and sets ``tx``'s per-group lr factor (``TorchOptState.scale``).
     """
 
     tx: optax.GradientTransformation
@@ -107,6 +110,7 @@ class MappedOptimizer:
     description: str
     torch_names: tuple[tuple[str | None, ...], ...] = ()
     source: Source | None = dataclasses.field(default=None, repr=False, compare=False)
+    plateau: tuple[int, ...] = ()  # indices of the configs that step on a monitored metric
 
     @property
     def param_names(self) -> frozenset[str]:
@@ -141,11 +145,11 @@ def map_configure_optimizers(
 
     Mapped: ``SGD``, ``Adam`` (also ``decoupled_weight_decay=True``), ``AdamW``, ``RMSprop``,
     ``Adagrad``, ``Adamax``, ``NAdam``, ``RAdam``, exactly by class, each param group with its
-    own hyperparameters; any ``torch.optim.lr_scheduler.LRScheduler`` except
-    ``ReduceLROnPlateau``, stepped on a private copy as Lightning's loop steps it
-    (``interval``, ``frequency``, several schedulers in order). Every hyperparameter a
-    scheduler moves becomes a per-step table: ``lr``, and the ``momentum`` / ``betas[0]``
-    that ``OneCycleLR`` and ``CyclicLR`` cycle.
+    own hyperparameters; any ``torch.optim.lr_scheduler.LRScheduler``, stepped on a private
+    copy as Lightning's loop steps it (``interval``, ``frequency``, several schedulers in
+    order); ``ReduceLROnPlateau`` (per epoch) through a per-group lr factor the host sets.
+    Every hyperparameter a scheduler moves becomes a per-step table: ``lr``, and the
+    ``momentum`` / ``betas[0]`` that ``OneCycleLR`` and ``CyclicLR`` cycle.
 
     Not seen here: a user override of ``LightningModule.lr_scheduler_step`` (the caller must
     refuse it), and torch skipping parameters whose ``.grad`` is ``None`` (JAX gives them zero
@@ -216,8 +220,9 @@ def map_configure_optimizers(
         ),
         stepping,
     )
+    plateau = tuple(i for i, c in enumerate(configs) if is_plateau(c))
     return MappedOptimizer(
-        tx=grouped(rule, groups),
+        tx=grouped(rule, groups, scaled=bool(plateau)),
         lr_names=lr_names,
         groups=tuple(groups),
         lr_group=lr_group,
@@ -226,6 +231,7 @@ def map_configure_optimizers(
             tuple(name_of.get(id(p)) for p in g["params"]) for g in optimizer.param_groups
         ),
         source=source,
+        plateau=plateau,
     )
 
 

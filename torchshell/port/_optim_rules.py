@@ -34,10 +34,13 @@ class TorchOptState(NamedTuple):
     Attributes:
         step: optimizer steps taken so far (int32); the step about to run is ``step``.
         slots: per parameter name, torch's per-parameter state (momentum buffer, moments...).
+        scale: per param group, a factor on the tabulated lr set on the host between steps
+            (``ReduceLROnPlateau``); ``None`` when no scheduler needs it.
     """
 
     step: jax.Array
     slots: dict[str, Slots]
+    scale: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,11 +329,14 @@ RADAM = Rule(_radam_init, _radam_step)
 # --- the driver ------------------------------------------------------------------------------
 
 
-def grouped(rule: Rule, groups: Sequence[GroupSpec]) -> optax.GradientTransformation:
+def grouped(
+    rule: Rule, groups: Sequence[GroupSpec], scaled: bool = False
+) -> optax.GradientTransformation:
     """An optax transformation running ``rule`` on flat ``{name: array}`` params, by group.
 
     A parameter in no group gets a zero update (torch never touches it). The state holds the
-    optimizer step count, which also indexes the scheduled hyperparameter tables.
+    optimizer step count, which also indexes the scheduled hyperparameter tables, and with
+    ``scaled`` a per-group factor on the lr (``state.scale``, set on the host).
 
     >>> import jax.numpy as jnp, optax
     >>> hp = {"lr": 0.5, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
@@ -352,7 +358,8 @@ def grouped(rule: Rule, groups: Sequence[GroupSpec]) -> optax.GradientTransforma
         _check_flat(params)
         hps = [with_scheduled(g, g.at(0)) for g in groups]
         slots = {n: rule.init(p, hps[label[n]]) for n, p in params.items() if n in label}
-        return TorchOptState(jnp.zeros([], jnp.int32), slots)
+        scale = jnp.ones(len(groups), jnp.float32) if scaled else None
+        return TorchOptState(jnp.zeros([], jnp.int32), slots, scale)
 
     def update(
         updates: Mapping[str, jax.Array],
@@ -363,6 +370,9 @@ def grouped(rule: Rule, groups: Sequence[GroupSpec]) -> optax.GradientTransforma
             raise ValueError("a mapped torch optimizer needs params: call tx.update(g, s, params)")
         _check_flat(updates)
         hps = [with_scheduled(g, g.at(state.step)) for g in groups]
+        if state.scale is not None:
+            for i, hp in enumerate(hps):
+                hp["lr"] = hp["lr"] * state.scale[i]
         t = (state.step + 1).astype(jnp.float32)
         out: dict[str, jax.Array] = {}
         slots: dict[str, Slots] = {}
@@ -373,7 +383,7 @@ def grouped(rule: Rule, groups: Sequence[GroupSpec]) -> optax.GradientTransforma
             p = params[name]
             u, slots[name] = rule.step(g, p, state.slots[name], hps[label[name]], t)
             out[name] = u.astype(p.dtype)
-        return out, TorchOptState(optax.safe_increment(state.step), slots)
+        return out, TorchOptState(optax.safe_increment(state.step), slots, state.scale)
 
     return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
 

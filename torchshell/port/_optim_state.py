@@ -102,7 +102,14 @@ def state_from_torch(
                         )
                     slots[name][key] = jnp.asarray(value.numpy(), dtype=want.dtype)
     taken = step if step is not None else max(steps, default=0)
-    return TorchOptState(jnp.asarray(taken, jnp.int32), slots)
+    scale = None
+    if mapped.plateau:  # the lr a plateau scheduler reached, as a factor on the table's
+        tables = [float(spec.at(taken)["lr"]) for spec in mapped.groups]
+        scale = jnp.asarray(
+            [float(g["lr"]) / t if t else 1.0 for g, t in zip(groups, tables, strict=True)],
+            jnp.float32,
+        )
+    return TorchOptState(jnp.asarray(taken, jnp.int32), slots, scale)
 
 
 def state_to_torch(
@@ -140,6 +147,11 @@ def state_to_torch(
         source.optimizer, list(source.configs), total_steps=taken, **source.stepping
     )
     optimizer_sd = opt_copy.state_dict()  # param_groups as they stand after `taken` steps
+    if state.scale is not None:  # a plateau scheduler's reductions so far
+        for group, factor in zip(
+            optimizer_sd["param_groups"], np.asarray(state.scale), strict=True
+        ):
+            group["lr"] = float(group["lr"]) * float(factor)
     torch_state: dict[int, dict[str, Any]] = {}
     for group, names in zip(optimizer_sd["param_groups"], mapped.torch_names, strict=True):
         for index, name in zip(group["params"], names, strict=True):

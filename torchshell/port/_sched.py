@@ -39,8 +39,8 @@ def parse_configure_optimizers(
         The one optimizer and its scheduler configs (``interval``, ``frequency``, ``name``).
 
     Raises:
-        ConfigError: nothing returned, several optimizers, a plateau scheduler, a scheduler of
-            another optimizer, or a form Lightning itself rejects.
+        ConfigError: nothing returned, several optimizers, a plateau scheduler stepped per
+            batch, a scheduler of another optimizer, or a form Lightning itself rejects.
 
     >>> w = torch.nn.Parameter(torch.zeros(2))
     >>> opt = torch.optim.SGD([w], lr=0.1)
@@ -72,11 +72,11 @@ def parse_configure_optimizers(
     (optimizer,) = optimizers
     for config in configs:
         sched = config.scheduler
-        if isinstance(sched, ReduceLROnPlateau) or config.reduce_on_plateau:
+        if is_plateau(config) and config.interval != "epoch":
             raise ConfigError(
-                f"{type(sched).__name__} steps on a monitored metric ({config.monitor!r}) and "
-                "cannot be tabulated before training; use a schedule that depends on the step "
-                f"(e.g. CosineAnnealingLR), or {FIX}"
+                f"{type(sched).__name__} with interval={config.interval!r}: "
+                "from_lightning steps a plateau scheduler at the end of each epoch (after "
+                "validation), on the host; use interval='epoch' (Lightning's default), or " + FIX
             )
         if not isinstance(sched, LRScheduler):
             raise ConfigError(
@@ -93,6 +93,15 @@ def parse_configure_optimizers(
                 f"lr scheduler frequency must be a positive int, got {config.frequency!r}"
             )
     return optimizer, configs
+
+
+def is_plateau(config: LRSchedulerConfig) -> bool:
+    """Whether a scheduler steps on a monitored metric (``ReduceLROnPlateau``).
+
+    Its lr changes are not tabulated: the host steps it after validation and hands the
+    step a per-group factor (``TorchOptState.scale``).
+    """
+    return isinstance(config.scheduler, ReduceLROnPlateau) or bool(config.reduce_on_plateau)
 
 
 def read_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -229,10 +238,9 @@ def run_schedule(
                 "loader a __len__, use interval='step' with frequency=1, or " + FIX
             )
     opt_copy, sched_copies = _private_copy(optimizer, [c.scheduler for c in configs])
-    step_ones = [(c, s) for c, s in zip(configs, sched_copies, strict=True) if c.interval == "step"]
-    epoch_ones = [
-        (c, s) for c, s in zip(configs, sched_copies, strict=True) if c.interval != "step"
-    ]
+    tabulated = [(c, s) for c, s in zip(configs, sched_copies, strict=True) if not is_plateau(c)]
+    step_ones = [(c, s) for c, s in tabulated if c.interval == "step"]
+    epoch_ones = [(c, s) for c, s in tabulated if c.interval != "step"]
     records: list[dict[str, list[Any]]] = [{} for _ in opt_copy.param_groups]
     for t in range(total):
         for rec, group in zip(records, opt_copy.param_groups, strict=True):
