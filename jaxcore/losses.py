@@ -15,6 +15,10 @@ import optax
 
 from jaxcore._errors import BatchError
 
+TOTAL = "total/"
+"""A metric named ``total/...`` is a batch-level total of any shape (e.g. a metric's confusion
+counts): summed over micro-batches as it is, never divided by the rows."""
+
 
 def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Mean of ``values[B]`` over rows where ``mask[B]`` is true (all rows when ``None``).
@@ -114,14 +118,21 @@ def per_example(loss_fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, d
 
     def wrapped(outputs: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
         losses, metrics = split(loss_fn(outputs, batch))
+        totals = {k: metrics.pop(k) for k in list(metrics) if k.startswith(TOTAL)}
         rows = _batch_rows(batch)
         values = [losses, *metrics.values()]
         if rows is None or all(jnp.ndim(v) == 1 and jnp.shape(v)[0] == rows for v in values):
-            return losses, metrics
+            return losses, metrics | totals
         mapped = [jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows for x in jax.tree.leaves(outputs)]
         if not any(mapped) or any(jnp.ndim(v) > 1 for v in values):
             _check_rows(values, metrics, rows)
-            return losses, metrics  # batch-level values, reduced as batch means
+            return losses, metrics | totals  # batch-level values, reduced as batch means
+        if totals:
+            raise BatchError(
+                f"The loss returned batch totals {sorted(totals)} and a batch mean: a mean is "
+                "evaluated row by row, where a batch total has no meaning. Fix: return the "
+                "loss per row [B]."
+            )
 
         leaves, tree = jax.tree.flatten((outputs, batch))
         axes = [0 if jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows else None for x in leaves]

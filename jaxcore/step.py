@@ -25,6 +25,7 @@ import optax
 from jaxcore._errors import BatchError
 from jaxcore.compile import Step, check_positive
 from jaxcore.guard import check_policy, finite_ok, guarded
+from jaxcore.losses import TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import cast_floating, resolve_dtype
 from jaxcore.state import TrainState
@@ -65,9 +66,14 @@ def _inputs(batch: Batch, dtype: Any) -> Batch:
     return cast_floating(batch, dtype)
 
 
-def _reduce(values: jax.Array, mask: jax.Array, count: jax.Array) -> jax.Array:
-    """Masked sum of per-example ``values[B]``; a 0-d value is a batch mean (sum = v x rows)."""
+def _reduce(values: jax.Array, mask: jax.Array, count: jax.Array, name: str = "") -> jax.Array:
+    """Masked sum of per-example ``values[B]``; a 0-d value is a batch mean (sum = v x rows).
+
+    A :data:`TOTAL` metric is returned as it is.
+    """
     values = values.astype(jnp.float32)
+    if name.startswith(TOTAL):
+        return values
     if values.ndim == 0:
         return values * count
     return jnp.sum(values * mask)
@@ -90,7 +96,7 @@ def _sums(
     losses, metrics = loss_fn(outputs, batch)
     mask = _mask(batch, _rows(batch)).astype(jnp.float32)
     count = jnp.sum(mask)
-    sums = {k: _reduce(v, mask, count) for k, v in metrics.items()}
+    sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
     if dtype is not None:  # model state (e.g. batch_stats) keeps its own dtypes
         new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
     return _reduce(losses, mask, count), (new_state, sums, count)
@@ -234,7 +240,10 @@ def make_train_step(
         if grad_scale != 1.0:
             grads = jax.tree.map(lambda g: g * grad_scale, grads)
         loss = loss_sum / denom
-        metrics = {"loss": loss, **{name: v / denom for name, v in sums.items()}}
+        metrics = {
+            "loss": loss,
+            **{name: v if name.startswith(TOTAL) else v / denom for name, v in sums.items()},
+        }
 
         def update() -> tuple[PyTree, PyTree, PyTree]:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -330,7 +339,7 @@ def make_eval_step(
         losses, metrics = loss_fn(cast_floating(outputs, jnp.float32), batch)
         mask = _mask(batch, _rows(batch)).astype(jnp.float32)
         count = jnp.sum(mask)
-        sums = {k: _reduce(v, mask, count) for k, v in metrics.items()}
+        sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
         return {"loss": _reduce(losses, mask, count), **sums, "count": count}
 
     return Step(step, name="eval_step", in_shardings=(state_sharding, batch_sharding))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torchmetrics import Metric
 
-from jaxcore import ModelFns
+from jaxcore import TOTAL, ModelFns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell.torch_model import TorchTracer
@@ -43,7 +43,8 @@ HOOKS = {
 }
 _REDUCE = ("mean", "sum", "max", "min")
 _METRIC_METHODS = ("forward", "update", "compute", "_cast_and_nan_check_input")
-_METRIC_HOOKS = ("validation_step", "test_step")  # torchmetrics objects run here (host update)
+# torchmetrics objects run in these (their batch states added to the real metric on the host)
+_METRIC_HOOKS = ("training_step", "validation_step", "test_step")
 _COUNTERS = ("global_step", "current_epoch")  # Trainer progress a step may read
 
 
@@ -101,7 +102,8 @@ def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any],
     """
     for name, kind in call.states:
         old = getattr(metric, name)
-        new = torch.tensor(np.array(host[f"{METRIC_KEY}{i}/{name}"])).to(old.dtype)  # a copy
+        value = np.array(host[f"{METRIC_KEY}{i}/{name}"])  # a copy (float32 from the step)
+        new = torch.tensor(value if old.is_floating_point() else np.rint(value)).to(old.dtype)
         new = new.reshape(old.shape)
         if kind == "sum":
             setattr(metric, name, old + new)
@@ -397,13 +399,9 @@ class LightningPort:
     def _refuse_metrics(self, hook: str) -> list[tuple[Metric, dict[str, Any]]]:
         """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
 
-        In ``training_step`` (and ``predict_step``) a metric object would need its states
-        fetched from every step; the evaluation steps run them (:meth:`_traced_metrics`).
+        ``predict_step`` returns outputs, it logs nothing: run the metric on them on the host.
         """
-        why = (
-            "there a metric object is not run (its state would be fetched from the device "
-            "every step; validation_step and test_step do run metric objects)"
-        )
+        why = "predict_step logs nothing; a metric there has no epoch to report to"
         metrics = []
         for path, metric in self.module.named_modules():
             if isinstance(metric, Metric):
@@ -494,5 +492,13 @@ class LightningPort:
 
     @staticmethod
     def loss_fn(outputs: PyTree, batch: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The traced step's loss and logged values (0-d: batch means) for jaxcore."""
-        return outputs["loss"], {f"log/{k}": v for k, v in outputs["logs"].items()}
+        """The traced step's loss and logged values (0-d: batch means) for jaxcore.
+
+        A metric object's batch states are batch totals (``jaxcore.TOTAL``: summed over
+        accumulated micro-batches); its batch value is a batch mean like a logged value.
+        """
+        metrics = {}
+        for k, v in outputs["logs"].items():
+            total = k.startswith(METRIC_KEY) and not k.endswith("/value")
+            metrics[f"{TOTAL}{k}" if total else f"log/{k}"] = v
+        return outputs["loss"], metrics

@@ -20,8 +20,9 @@ import torch
 
 import bridge
 import jaxcore
+from jaxcore import TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
-from torchshell.port._trace import LogSpec, add_metric_states
+from torchshell.port._trace import METRIC_KEY, LogSpec, add_metric_states
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 
@@ -54,7 +55,7 @@ class UserMetrics:
     def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {"train/loss": metrics["loss"]}
         for name, spec in self._train_specs().items():
-            if spec.on_step:
+            if spec.on_step and spec.metric is None:  # (metric objects: Lightning logs them)
                 out[f"{name}_step" if spec.on_epoch else name] = metrics[f"log/{name}"]
         for key in ("nonfinite",):
             if key in metrics:
@@ -80,7 +81,9 @@ class UserMetrics:
                     self.log(name, logs[key], prog_bar=True, logger=False)
 
     def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
-        epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch}
+        if self.port.metric_calls["training_step"]:
+            self._metric_objects(metrics)
+        epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch and s.metric is None}
         if not epoch:
             return
         w = jnp.float32(rows_)
@@ -90,6 +93,31 @@ class UserMetrics:
             weight = jnp.float32(spec.batch_size) if spec.batch_size else w
             new[name] = (v * weight, weight, v, v)
         self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
+
+    def _metric_objects(self, metrics: dict[str, jax.Array]) -> None:
+        """The step's torchmetrics batch states into the user's metrics; logged by Lightning.
+
+        Waits for this step (a module with metric objects in ``training_step`` only): the
+        metric's state lives on the host, as in plain Lightning, which then logs the object
+        (its batch value on step, its own ``compute`` over the epoch, then ``reset``).
+        """
+        prefixes = (f"{TOTAL}{METRIC_KEY}", f"log/{METRIC_KEY}")
+        wanted = {k: v for k, v in metrics.items() if k.startswith(prefixes)}
+        host = {k.split("/", 1)[1]: v for k, v in jax.device_get(wanted).items()}
+        user = self.port.module
+        for i, call in enumerate(self.port.metric_calls["training_step"]):
+            add_metric_states(user.get_submodule(call.path), call, host, i)
+        for name, spec in self._train_specs().items():
+            if spec.metric is not None:
+                self.log(
+                    name,
+                    user.get_submodule(spec.metric),
+                    prog_bar=spec.prog_bar,
+                    logger=spec.logger,
+                    on_step=spec.on_step,
+                    on_epoch=spec.on_epoch,
+                    metric_attribute=spec.metric,
+                )
 
     def on_train_epoch_end(self) -> None:
         super().on_train_epoch_end()  # type: ignore[misc]
