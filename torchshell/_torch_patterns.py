@@ -342,20 +342,39 @@ def mode(module: nn.Module, train: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def attributes_kept(module: nn.Module) -> Iterator[None]:
-    """Plain tensor attributes a forward caches on its modules (``self.src_mask = mask``,
-    Lightning's demo Transformer) are put back afterwards: no traced tensor outlives a call."""
-    before = [
-        (m, k, v)
-        for m in module.modules()
-        for k, v in vars(m).items()
-        if v is None or isinstance(v, torch.Tensor)
-    ]
+def attributes_kept(module: nn.Module, carried: set[str] | None = None) -> Iterator[None]:
+    """Tensor attributes a call sets on its modules are put back (or removed) afterwards.
+
+    A cache (``self.src_mask = mask``, Lightning's demo Transformer) comes back as it was: no
+    traced tensor outlives a call. An attribute set to a value computed from the weights or
+    the batch (``self.hidden = (h, c)``, Lightning's demo LSTM carrying state to the next
+    batch) is named in ``carried`` (``"path.attr"``): the compiled step cannot carry it.
+    """
+    before = {name: (m, dict(vars(m))) for name, m in module.named_modules()}
     try:
         yield
     finally:
-        for m, k, v in before:
-            m.__dict__[k] = v
+        for name, (m, old) in before.items():
+            now = vars(m)
+            for key in [k for k in now if k not in old or now[k] is not old[k]]:
+                value = now[key]
+                if carried is not None and not key.startswith("_") and _traced(value):
+                    carried.add(f"{name}.{key}" if name else key)
+                if key not in old:
+                    if _tensors(value):
+                        del now[key]
+                elif old[key] is None or isinstance(old[key], torch.Tensor) or _tensors(value):
+                    now[key] = old[key]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves = value if isinstance(value, list | tuple) else [value]
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def _traced(value: Any) -> bool:
+    """Whether a value holds a torchax tensor whose JAX value is traced (not a constant)."""
+    return any(isinstance(getattr(t, "_elem", None), jax.core.Tracer) for t in _tensors(value))
 
 
 def plain(x: Any) -> Any:

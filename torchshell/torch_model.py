@@ -125,6 +125,8 @@ class TorchTracer:
         self.consts = {k: _to_jax(v) for k, v in named.items() if k not in persistent}
         self.names = {id(m): name for name, m in module.named_modules()}
         self._bound = _Bound(module)
+        self.carried: set[str] = set()  # attributes a call set from traced values
+        self._warned: set[str] = set()
 
     def call(
         self,
@@ -183,7 +185,7 @@ class TorchTracer:
         object.__setattr__(self._bound, "fn", None if fn is module else fn)
         with (
             patterns.mode(module, train),
-            patterns.attributes_kept(module),
+            patterns.attributes_kept(module, self.carried),
             env,
             env.override_property(prng=rng),
             torch.device("jax"),
@@ -198,11 +200,27 @@ class TorchTracer:
                 raise
             finally:
                 object.__setattr__(self._bound, "fn", None)
+        self._warn_carried()
         outputs = patterns.plain(env.t2j_iso(out))
         if not train:
             return outputs, model_state
         new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}
         return outputs, new_state
+
+    def _warn_carried(self) -> None:
+        """Once per attribute: state a call keeps for the next one is not carried."""
+        for name in sorted(self.carried - self._warned):
+            self._warned.add(name)
+            owner = type(self.module).__name__
+            warnings.warn(
+                f"{owner} sets self.{name} to a value computed from the batch or the weights "
+                "(state kept for the next batch, e.g. an RNN's hidden state): the compiled "
+                "step is traced once, so every step sees the attribute as it was before "
+                "(plain torch/Lightning would carry it from batch to batch). Fix: pass that "
+                "state in the batch, or start it fresh in each step as a local variable.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @contextlib.contextmanager
     def static_values(self, values: Mapping[int, Any] | None) -> Iterator[None]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchmetrics
 import torchmetrics.functional as tmf
+from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -611,3 +612,29 @@ def test_torchmetrics_objects_in_training_log_as_in_plain_lightning(
         if name == "train_acc_step" and accumulate > 1:
             continue  # (the window's value, where Lightning logs its last batch's: documented)
         assert results[1][name] == pytest.approx(value, abs=1e-5), name
+
+
+class CarriedLSTM(LightningLSTM):
+    """Lightning's demo LSTM (truncated BPTT: self.hidden carried to the next batch), tiny."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=20)
+        self.model = SimpleLSTM(vocab_size=20, ninp=8, nhid=8, nlayers=1, dropout=0.0)
+
+    def prepare_data(self) -> None:  # (the demo downloads WikiText2)
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        ids = torch.randint(0, 20, (32, 6), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(ids, ids), batch_size=8)
+
+
+def test_state_a_step_keeps_for_the_next_batch_is_named_not_silently_dropped(
+    tmp_path: Path,
+) -> None:
+    user = CarriedLSTM()
+    with pytest.warns(UserWarning, match=r"CarriedLSTM sets self.hidden .*carry it"):
+        _quiet_trainer(tmp_path, max_steps=2).fit(
+            JaxModule.from_lightning(user, print_summary=False)
+        )
+    assert user.hidden is None  # no traced value outlives the trace
