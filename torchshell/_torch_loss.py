@@ -13,6 +13,9 @@ reduced so that the masked mean equals torch's own ``reduction="mean"`` on the r
 - the loss's own ``reduction`` is kept: ``"sum"`` (each row's sum times the real rows, so the
   mean is torch's sum) and ``"batchmean"`` (``KLDivLoss``: each row's sum).
 
+A model returning a transformers ``ModelOutput`` gives a torch loss its ``logits``; a team's
+own loss function reads its fields as attributes (``out.logits``) or keys.
+
 A team's own loss *function* (or a loss module without ``reduction``) written with torch ops
 (``def loss(out, y): return F.cross_entropy(out.flatten(0, 1), y.flatten())``) is run by
 torchax as it is, row by row (:func:`jaxcore.per_example`), so a padded last batch stays
@@ -122,10 +125,28 @@ def torch_function_loss(fn: Callable[..., Any], label_key: str = "y") -> Callabl
             warnings.filterwarnings(
                 "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
             )
-            value = call_torch(fn, outputs, batch[label_key])
+            value = call_torch(_with_fields(fn), outputs, batch[label_key])
         return jnp.asarray(value, jnp.float32)
 
     return jaxcore.per_example(loss_fn)
+
+
+class Fields(dict):  # type: ignore[type-arg]
+    """A model's dict output whose fields also read as attributes (``out.logits``), as the
+    ``ModelOutput`` of a transformers model the team's loss was written for."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _with_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(outputs: Any, target: Any) -> Any:
+        return fn(Fields(outputs) if isinstance(outputs, dict) else outputs, target)
+
+    return call
 
 
 def _reduction(loss: Any) -> str:
@@ -210,6 +231,8 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
                 "Fix: name the target field in batch_keys=(inputs..., target)."
             )
         target = batch[label_key]
+        if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), jax.Array):
+            outputs = outputs["logits"]  # a transformers ModelOutput: what its loss reads
         if not isinstance(outputs, jax.Array):
             raise ConfigError(
                 f"the torch loss {name} takes the model's output tensor, and the model "

@@ -281,21 +281,48 @@ def test_lightnings_batch_size_finder_runs_as_in_plain_lightning(tmp_path: Path)
 class DictOut(nn.Module):
     """Returns a mapping, as transformers models do (``ModelOutput(logits=...)``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "logits") -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
+        self.key = key
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"logits": self.lin(x)}
+        return {self.key: self.lin(x), "hidden": x}
 
 
-def test_a_torch_loss_on_a_model_returning_a_dict_names_the_keys(tmp_path: Path) -> None:
-    net = DictOut()
+def _own_logits_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.logits, y)  # as written for a ModelOutput
+
+
+@pytest.mark.parametrize("loss", ["module", "own function"])
+def test_a_torch_loss_on_a_model_output_with_logits_trains_like_torch(
+    tmp_path: Path, loss: str
+) -> None:
+    torch.manual_seed(0)
+    net, ref = DictOut(), DictOut()
+    ref.load_state_dict(net.state_dict())
+    loss_fn = nn.CrossEntropyLoss() if loss == "module" else _own_logits_loss
+    jm = JaxModule.from_torch(
+        net, loss_fn, torch.optim.SGD(net.parameters(), lr=0.1), print_summary=False
+    )
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    _quiet_trainer(tmp_path, max_steps=2).fit(jm, DataLoader(data, batch_size=8))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in DataLoader(data, batch_size=8):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x)["logits"], y).backward()
+        opt.step()
+    for name, value in ref.state_dict().items():
+        np.testing.assert_allclose(jm.torch_state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_torch_loss_on_a_dict_without_logits_names_the_keys(tmp_path: Path) -> None:
+    net = DictOut(key="scores")
     jm = JaxModule.from_torch(
         net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.1), print_summary=False
     )
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
-    with pytest.raises(ConfigError, match=r"returned a dict with keys \['logits'\].*\.logits"):
+    with pytest.raises(ConfigError, match=r"returned a dict with keys \['hidden', 'scores'\]"):
         _quiet_trainer(tmp_path, max_steps=1).fit(jm, DataLoader(data, batch_size=8))
 
 
