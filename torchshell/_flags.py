@@ -13,6 +13,8 @@ after the run):
   with torch's ``clip_grad_norm_`` / ``clip_grad_value_`` math.
 - several devices, processes or nodes -> refused: JAX's mesh places the step; several
   processes are JAX's distributed runtime (``coreshell launch``).
+- callbacks that act on the torch weights or optimizer during fit (weight averaging,
+  fine-tuning schedules, pruning, an accumulation schedule) -> refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -60,6 +62,39 @@ def _refuse_devices(trainer: Any) -> None:
         )
 
 
+def _refuse_callbacks(trainer: Any) -> None:
+    """Callbacks that change the torch module's weights or optimizer during fit are refused.
+
+    Under a ``JaxModule`` the weights and the optimizer live in the JAX state: these would
+    act on objects the compiled step never reads (or crash deep inside Lightning).
+    """
+    from lightning.pytorch import callbacks as cb
+
+    why = {
+        cb.StochasticWeightAveraging: "averages the torch weights and swaps the lr scheduler",
+        cb.WeightAveraging: "averages the torch weights (EMA)",
+        cb.BaseFinetuning: "freezes and unfreezes torch parameters and adds param groups",
+        cb.ModelPruning: "prunes the torch weights",
+        cb.GradientAccumulationScheduler: "changes accumulate_grad_batches by epoch",
+    }
+    fixes = {
+        cb.StochasticWeightAveraging: "average in the optimizer instead (an optax transform)",
+        cb.WeightAveraging: "keep an EMA in the optimizer instead (an optax transform)",
+        cb.BaseFinetuning: "set requires_grad=False on the frozen parameters before fit, "
+        "and fine-tune in a second fit",
+        cb.ModelPruning: "prune the torch module before fit, or after it",
+        cb.GradientAccumulationScheduler: "use a fixed Trainer(accumulate_grad_batches=N)",
+    }
+    for callback in trainer.callbacks:
+        for kind, what in why.items():
+            if isinstance(callback, kind):
+                raise ConfigError(
+                    f"Trainer(callbacks=[{type(callback).__name__}(...)]) {what} during fit; "
+                    "under a JaxModule the weights and the optimizer are the JAX step's, which "
+                    f"it cannot reach. Fix: remove the callback and {fixes[kind]}."
+                )
+
+
 def _dtype(precision: Any) -> str | None:
     if precision in _BF16:
         return "bfloat16"
@@ -84,8 +119,8 @@ def adopt_flags(trainer: Any) -> tuple[TrainerFlags, dict[str, Any]]:
         were changed, to restore with :func:`restore_flags` after the run.
 
     Raises:
-        ConfigError: several devices, processes or nodes, or a precision with no JAX
-            counterpart.
+        ConfigError: several devices, processes or nodes, a precision with no JAX
+            counterpart, or a callback that changes the torch weights or optimizer.
 
     Example:
         >>> import lightning as L
@@ -98,6 +133,7 @@ def adopt_flags(trainer: Any) -> tuple[TrainerFlags, dict[str, Any]]:
         2
     """
     _refuse_devices(trainer)
+    _refuse_callbacks(trainer)
     accumulate = int(trainer.accumulate_grad_batches)
     clip = trainer.gradient_clip_val
     algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", None) or "norm").lower()

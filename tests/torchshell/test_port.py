@@ -17,6 +17,7 @@ import optax
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import callbacks as cb
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -305,6 +306,26 @@ def test_trainer_flags_are_honoured_or_refused(tmp_path: Path) -> None:
         assert module.flags.compute_dtype == (None if precision == "32-true" else "bfloat16")
     np.testing.assert_allclose(bf16, fp32, rtol=5e-2)
     assert bf16 != fp32  # the step really computed in bfloat16
+
+
+@pytest.mark.parametrize(
+    ("callback", "match"),
+    [
+        (lambda: cb.StochasticWeightAveraging(swa_lrs=0.05), r"averages the torch weights"),
+        (lambda: cb.EMAWeightAveraging(), r"WeightAveraging.*optax"),
+        (lambda: cb.BackboneFinetuning(unfreeze_backbone_at_epoch=1), r"requires_grad=False"),
+        (lambda: cb.ModelPruning("l1_unstructured", amount=0.5), r"prune the torch module"),
+        (lambda: cb.GradientAccumulationScheduler({1: 2}), r"accumulate_grad_batches=N"),
+    ],
+)
+def test_callbacks_that_change_the_torch_weights_are_refused_with_the_fix(
+    tmp_path: Path, callback: Any, match: str
+) -> None:
+    """Before: each crashed deep inside Lightning ('cannot pickle', 'no attribute backbone')."""
+    jm = JaxModule.from_lightning(Tagger(), print_summary=False)
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[callback()])
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(jm, DataLoader(_data(), batch_size=16))
 
 
 def test_unmappable_optimizers_are_refused_before_training(tmp_path: Path) -> None:
