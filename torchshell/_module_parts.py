@@ -103,6 +103,38 @@ class TrainerFlagsPart(_Shared):
             self._adopt(flags)
             self._match_val_loader(trainer)
 
+    # -- the run's loaders, checked before their workers start --------------------------------
+    def on_train_start(self) -> None:
+        self._check_workers(self.trainer.train_dataloader)
+
+    def on_validation_start(self) -> None:
+        self._check_workers(self.trainer.val_dataloaders)
+
+    def on_test_start(self) -> None:
+        self._check_workers(self.trainer.test_dataloaders)
+
+    def on_predict_start(self) -> None:
+        self._check_workers(self.trainer.predict_dataloaders)
+
+    def _check_workers(self, loaders: Any) -> None:
+        """One warning per loader whose workers would fork after JAX started, with the fix."""
+        from torchshell.data import forking_loaders
+
+        warned = self.__dict__.setdefault("_fork_warned", set())
+        for loader in forking_loaders(loaders):
+            if id(loader) not in warned:
+                warned.add(id(loader))
+                warnings.warn(
+                    f"DataLoader(num_workers={loader.num_workers}) starts its workers with "
+                    "fork, after JAX started its threads: JAX warns at every worker start that "
+                    "this may deadlock. Fix: DataLoader(..., multiprocessing_context='spawn', "
+                    "persistent_workers=True) (torchshell.data.loader_kwargs(n, seed) gives "
+                    "both; spawned workers need a picklable Dataset and a script guarded by "
+                    "`if __name__ == '__main__':`).",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
     def _match_val_loader(self, trainer: L.Trainer) -> None:
         """Validation runs when the run has a val loader (no Lightning warning otherwise).
 

@@ -107,3 +107,40 @@ def test_a_draining_loader_dropped_mid_pass_stops_its_workers_between_batches():
             worker.join(timeout=60)
         codes.append([w.exitcode for w in workers])
     assert codes == [[0, 0]] * 3
+
+
+def test_a_users_forking_loader_is_named_once_with_the_fix(tmp_path) -> None:
+    """A plain DataLoader(num_workers=1) (fork on Linux) under a JaxModule: one coreshell
+    warning with the fix, however many times its workers start; a spawn loader: none."""
+    import lightning as L
+    from torch.utils.data import TensorDataset
+
+    from torchshell import JaxModule
+
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    for loader, expected in (
+        (DataLoader(data, batch_size=16, num_workers=1), 1),
+        (DataLoader(data, batch_size=16, **loader_kwargs(1, seed=0)), 0),
+    ):
+        net = torch.nn.Linear(4, 2)
+        jm = JaxModule.from_torch(
+            net,
+            torch.nn.CrossEntropyLoss(),
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            print_summary=False,
+        )
+        trainer = L.Trainer(
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(jm, loader)
+        ours = [w for w in caught if "starts its workers with fork" in str(w.message)]
+        assert len(ours) == expected
+        if expected:
+            assert "multiprocessing_context='spawn'" in str(ours[0].message)

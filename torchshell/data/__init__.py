@@ -1,5 +1,17 @@
 """Torch data modules of the recipes, and the loader settings JAX needs."""
 
-from torchshell.data._loader import DrainingDataLoader, batch_collate, loader_kwargs, stop_workers
+from torchshell.data._loader import (
+    DrainingDataLoader,
+    batch_collate,
+    forking_loaders,
+    loader_kwargs,
+    stop_workers,
+)
 
-__all__ = ["DrainingDataLoader", "batch_collate", "loader_kwargs", "stop_workers"]
+__all__ = [
+    "DrainingDataLoader",
+    "batch_collate",
+    "forking_loaders",
+    "loader_kwargs",
+    "stop_workers",
+]

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, default_collate
 from torch.utils.data import _utils as _worker_utils
-from torch.utils.data import default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.stateful_dataloader import (
     _StatefulMultiProcessingDataLoaderIter,
@@ -156,3 +156,40 @@ def batch_collate(data: Any) -> Any:
         torch.Size([2, 3])
     """
     return data.batch if isinstance(data, GatheredRows) else default_collate(data)
+
+
+def forking_loaders(loaders: Any) -> list[DataLoader]:
+    """The torch ``DataLoader``s among ``loaders`` whose workers would start with ``fork``.
+
+    ``loaders`` is what the Trainer holds (one loader, or a list/dict of them). A loader
+    with workers and no ``multiprocessing_context`` uses the platform's default start
+    method: ``fork`` on Linux, where JAX (already running) warns that its threads may
+    deadlock the child.
+
+    Example:
+        >>> data = torch.utils.data.TensorDataset(torch.ones(4))
+        >>> [l.num_workers for l in forking_loaders([DataLoader(data, num_workers=2)])]
+        [2]
+        >>> forking_loaders({"a": DataLoader(data, **loader_kwargs(2, seed=0))})
+        []
+    """
+    import multiprocessing as mp
+
+    found: list[DataLoader] = []
+    pending = [loaders]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, DataLoader) and item.num_workers > 0:
+            context = item.multiprocessing_context
+            method = (
+                context.get_start_method()
+                if context is not None
+                else mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+            )
+            if method == "fork":
+                found.append(item)
+    return found[::-1]

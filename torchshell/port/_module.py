@@ -330,6 +330,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         )
 
     def on_train_start(self) -> None:
+        super().on_train_start()
         if any(type(c).__name__ == "_LRCallback" for c in self.trainer.callbacks):
             raise ConfigError(
                 "Lightning's learning-rate finder (Tuner.lr_find) sweeps the lr by swapping "
