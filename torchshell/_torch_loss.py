@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,7 +38,13 @@ import torch.nn.functional as F
 import jaxcore
 from torchshell._errors import ConfigError
 
-__all__ = ["is_torch_loss", "torch_function_loss", "torch_loss_fn", "written_in_torch"]
+__all__ = [
+    "is_torch_loss",
+    "target_field",
+    "torch_function_loss",
+    "torch_loss_fn",
+    "written_in_torch",
+]
 
 _CLASS_INDEX_FNS = (F.cross_entropy, F.nll_loss)
 
@@ -90,7 +96,9 @@ def written_in_torch(fn: Any) -> bool:
     return False
 
 
-def torch_function_loss(fn: Callable[..., Any], label_key: str = "y") -> Callable[..., Any]:
+def torch_function_loss(
+    fn: Callable[..., Any], label_key: str = "y", inputs: Sequence[str] = ()
+) -> Callable[..., Any]:
     """A team's own torch loss function ``(output, target) -> loss`` as the step's loss.
 
     Run by torchax on the JAX arrays; a batch-mean result is evaluated row by row
@@ -99,7 +107,8 @@ def torch_function_loss(fn: Callable[..., Any], label_key: str = "y") -> Callabl
     Args:
         fn: the function; it receives the model's output and ``batch[label_key]`` as torch
             tensors and returns a scalar (or one value per row).
-        label_key: the batch field holding the target.
+        label_key: the batch field holding the target (see :func:`target_field`).
+        inputs: the fields the model reads (never the target).
 
     Returns:
         A loss function for :class:`~torchshell.JaxModule`.
@@ -115,17 +124,12 @@ def torch_function_loss(fn: Callable[..., Any], label_key: str = "y") -> Callabl
     name = getattr(fn, "__name__", type(fn).__name__)
 
     def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> jax.Array:
-        if not isinstance(batch, Mapping) or label_key not in batch:
-            raise ConfigError(
-                f"the torch loss {name} reads the target from batch[{label_key!r}], and the "
-                f"batch has {sorted(batch) if isinstance(batch, Mapping) else type(batch)}. "
-                "Fix: name the target field in batch_keys=(inputs..., target)."
-            )
+        target = batch[target_field(batch, label_key, inputs, name)]
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.filterwarnings(
                 "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
             )
-            value = call_torch(_with_fields(fn), outputs, batch[label_key])
+            value = call_torch(_with_fields(fn), outputs, target)
         return jnp.asarray(value, jnp.float32)
 
     return jaxcore.per_example(loss_fn)
@@ -147,6 +151,37 @@ def _with_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(Fields(outputs) if isinstance(outputs, dict) else outputs, target)
 
     return call
+
+
+TARGET_NAMES = ("labels", "label", "targets", "target", "y")
+"""Field names taken as the target of a dict batch that has no ``label_key`` field."""
+
+
+def target_field(batch: Any, label_key: str, inputs: Sequence[str], loss: str) -> str:
+    """The batch field a torch loss compares the output with.
+
+    ``label_key`` when the batch has it; else, in a dict batch (a Hugging Face style
+    ``{"input_ids", "attention_mask", "labels"}``), the first of :data:`TARGET_NAMES` it
+    holds, or its one field that is neither a model input nor the row ``mask``.
+
+    Example:
+        >>> target_field({"input_ids": 0, "attention_mask": 0, "labels": 0}, "x",
+        ...              ("input_ids", "attention_mask"), "CrossEntropyLoss")
+        'labels'
+    """
+    if isinstance(batch, Mapping) and label_key in batch:
+        return label_key
+    fields = sorted(batch) if isinstance(batch, Mapping) else []
+    named = [k for k in TARGET_NAMES if k in fields and k not in inputs]
+    rest = [k for k in fields if k not in inputs and k != "mask"]
+    if named or len(rest) == 1:
+        return (named or rest)[0]
+    raise ConfigError(
+        f"the torch loss {loss} needs the target field: the batch has "
+        f"{fields if fields else type(batch).__name__}, none of them {label_key!r} or one of "
+        f"{list(TARGET_NAMES)}. Fix: name it in batch_keys=(inputs..., target), or name the "
+        "field 'labels' in the Dataset."
+    )
 
 
 def _reduction(loss: Any) -> str:
@@ -197,13 +232,16 @@ def _elementwise(loss: Any) -> tuple[Callable[..., Any], dict[str, Any], bool, A
     return call_fn, {}, loss in _CLASS_INDEX_FNS, None, -100
 
 
-def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
+def torch_loss_fn(
+    loss: Any, label_key: str = "y", inputs: Sequence[str] = ()
+) -> Callable[..., Any]:
     """The JAX ``loss_fn(outputs, batch) -> (loss[B], metrics)`` of a torch loss.
 
     Args:
         loss: a torch loss module (``nn.CrossEntropyLoss(label_smoothing=0.1)``, with its
             ``weight``/``ignore_index``) or a ``torch.nn.functional`` loss.
-        label_key: the batch field holding the target.
+        label_key: the batch field holding the target (see :func:`target_field`).
+        inputs: the fields the model reads (never the target).
 
     Returns:
         A loss function for :class:`~torchshell.JaxModule`; class-index losses on ``[B, C]``
@@ -218,19 +256,13 @@ def torch_loss_fn(loss: Any, label_key: str = "y") -> Callable[..., Any]:
     from torchax.interop import call_torch
 
     if isinstance(loss, torch.nn.Module) and not hasattr(loss, "reduction"):
-        return torch_function_loss(loss, label_key)  # the team's own loss module
+        return torch_function_loss(loss, label_key, inputs)  # the team's own loss module
     reduction = _reduction(loss)
     call, buffers, class_index, weight, ignore = _elementwise(loss)
     name = getattr(loss, "__name__", type(loss).__name__)
 
     def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
-        if not isinstance(batch, Mapping) or label_key not in batch:
-            raise ConfigError(
-                f"the torch loss {name} reads the target from batch[{label_key!r}], and the "
-                f"batch has {sorted(batch) if isinstance(batch, Mapping) else type(batch)}. "
-                "Fix: name the target field in batch_keys=(inputs..., target)."
-            )
-        target = batch[label_key]
+        target = batch[target_field(batch, label_key, inputs, name)]
         if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), jax.Array):
             outputs = outputs["logits"]  # a transformers ModelOutput: what its loss reads
         if not isinstance(outputs, jax.Array):

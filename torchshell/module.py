@@ -139,9 +139,9 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             self.model_fns = jaxcore.linen_model(model, names)
         label = next((k for k in self.batch_keys if k not in names), "y")
         if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
-            loss_fn = torch_loss_fn(loss_fn, label_key=label)
+            loss_fn = torch_loss_fn(loss_fn, label_key=label, inputs=names)
         elif written_in_torch(loss_fn):  # the team's own def loss(out, y): F.... (torchax)
-            loss_fn = torch_function_loss(loss_fn, label_key=label)
+            loss_fn = torch_function_loss(loss_fn, label_key=label, inputs=names)
         else:  # a JAX loss may return batch means, or no metrics: one value per row here
             loss_fn = jaxcore.per_example(loss_fn)
         if isinstance(optimizer, torch.optim.Optimizer):

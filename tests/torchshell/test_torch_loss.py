@@ -193,3 +193,53 @@ def test_a_torch_optimizer_without_a_torch_module_is_named() -> None:
     net = _net()
     with pytest.raises(ConfigError, match="from_torch"):
         JaxModule(MLP(features=(8,)), nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters()))
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Hugging Face style samples: {"input_ids", "attention_mask", "labels"}."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 20, (40, 6), generator=g)
+        self.labels = torch.randint(0, OUT, (40,), generator=g)
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        mask = (torch.arange(6) < 3 + i % 4).long()
+        return {"input_ids": self.ids[i], "attention_mask": mask, "labels": self.labels[i]}
+
+
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, OUT)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        m = attention_mask.unsqueeze(-1).float()
+        return self.head((self.emb(input_ids) * m).sum(1) / m.sum(1))
+
+
+def test_a_dict_batch_finds_its_labels_field_and_trains_like_torch() -> None:
+    torch.manual_seed(0)
+    net, ref = Bag(), Bag()
+    ref.load_state_dict(net.state_dict())
+    jm = JaxModule.from_torch(
+        net,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(net.parameters(), lr=0.5),
+        inputs=("input_ids", "attention_mask"),
+        print_summary=False,
+    )
+    loader = DataLoader(Tokens(), batch_size=8)
+    quiet_trainer(max_steps=5).fit(jm, loader)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for batch in loader:
+        opt.zero_grad()
+        F.cross_entropy(
+            ref(batch["input_ids"], batch["attention_mask"]), batch["labels"]
+        ).backward()
+        opt.step()
+    for name, value in ref.state_dict().items():
+        np.testing.assert_allclose(jm.torch_state_dict()[name], value, rtol=1e-5, atol=1e-6)
