@@ -112,9 +112,9 @@ def test_a_draining_loader_dropped_mid_pass_stops_its_workers_between_batches():
 def test_a_users_forking_loader_is_named_once_with_the_fix(tmp_path) -> None:
     """A plain DataLoader(num_workers=1) (fork on Linux) under a JaxModule: one coreshell
     warning with the fix, however many times its workers start; a spawn loader: none."""
-    import lightning as L
     from torch.utils.data import TensorDataset
 
+    from tests.helpers import quiet_trainer
     from torchshell import JaxModule
 
     data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
@@ -129,14 +129,7 @@ def test_a_users_forking_loader_is_named_once_with_the_fix(tmp_path) -> None:
             torch.optim.SGD(net.parameters(), lr=0.1),
             print_summary=False,
         )
-        trainer = L.Trainer(
-            max_epochs=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            default_root_dir=tmp_path,
-        )
+        trainer = quiet_trainer(max_epochs=2, default_root_dir=tmp_path)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(jm, loader)
