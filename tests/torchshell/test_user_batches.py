@@ -665,3 +665,32 @@ def test_state_a_step_keeps_for_the_next_batch_is_named_not_silently_dropped(
             JaxModule.from_lightning(user, print_summary=False)
         )
     assert user.hidden is None  # no traced value outlives the trace
+
+
+class LogsItsLr(Small):
+    """Logs the scheduled lr from inside training_step, as many modules do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        self.log("last_lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.5)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def test_reading_the_lr_in_a_traced_step_is_told_not_silent(tmp_path: Path) -> None:
+    user = LogsItsLr()
+    jm = JaxModule.from_lightning(user, print_summary=False)
+    with pytest.warns(
+        UserWarning,
+        match=r"LogsItsLr.training_step reads the optimizer's lr.*"
+        r"LearningRateMonitor",
+    ) as seen:
+        _quiet_trainer(tmp_path, max_epochs=2).fit(jm, DataLoader(_rows(), batch_size=16))
+    assert len([w for w in seen if "reads the optimizer's lr" in str(w.message)]) == 1
+    # the optimizer's own param groups and scheduler are back as they were
+    optimizer = jm.trainer.optimizers[0]
+    assert type(optimizer.param_groups[0]) is dict
+    assert "get_last_lr" not in vars(jm.trainer.lr_scheduler_configs[0].scheduler)

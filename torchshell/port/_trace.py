@@ -165,6 +165,24 @@ def _path_of(module: torch.nn.Module, metric: Metric) -> str:
     )
 
 
+class _ReadNoted(dict):  # type: ignore[type-arg]
+    """A param group dict that notes, in ``read``, that its ``lr`` was read."""
+
+    def __init__(self, group: dict[str, Any], read: set[str]) -> None:
+        super().__init__(group)
+        self._read = read
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "lr":
+            self._read.add("lr")
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "lr":
+            self._read.add("lr")
+        return super().get(key, default)
+
+
 def _counting_class(cls: type, read: set[str]) -> type:
     """``cls`` whose ``global_step``/``current_epoch`` record, in ``read``, that they were read.
 
@@ -187,13 +205,22 @@ def _counting_class(cls: type, read: set[str]) -> type:
 
 
 def _warn_at(method: Any, where: str, name: str) -> None:
-    """Warns, at the user's method, that it read a Trainer counter while being traced."""
-    message = (
-        f"{where} reads self.{name}: the compiled step is traced once, so every step sees its "
-        "value at trace time (0), where plain Lightning gives the current one. Fix: for an lr "
-        "warmup or decay use a torch lr scheduler in configure_optimizers (mapped per step); "
-        "for a loss weight that changes over training, compute it from a batch field."
-    )
+    """Warns, at the user's method, that it read a value frozen when the step is traced."""
+    if name == "lr":
+        message = (
+            f"{where} reads the optimizer's lr: the compiled step is traced once, so every "
+            "step sees the lr at trace time, where plain Lightning gives the scheduled one "
+            "(the step itself does use the scheduled lr). Fix: to log it, "
+            "Trainer(callbacks=[LearningRateMonitor()]) logs lr-<Optimizer> every step."
+        )
+    else:
+        message = (
+            f"{where} reads self.{name}: the compiled step is traced once, so every step sees "
+            "its value at trace time (0), where plain Lightning gives the current one. Fix: "
+            "for an lr warmup or decay use a torch lr scheduler in configure_optimizers "
+            "(mapped per step); for a loss weight that changes over training, compute it from "
+            "a batch field."
+        )
     try:
         filename = inspect.getsourcefile(method) or "<unknown>"
         lineno = inspect.getsourcelines(method)[1]
@@ -305,9 +332,15 @@ class LightningPort:
         user_class = type(self.module)
         read: set[str] = set()
         self.module.__class__ = _counting_class(user_class, read)
+        groups = self._watch_lr(read) if hook == "training_step" else []
         try:
             yield
         finally:
+            for owner, index, value in groups:  # the optimizers' own param groups back
+                if value is None:
+                    del owner[index]  # (an instance attribute that was not there)
+                else:
+                    owner[index] = value
             self.module.__class__ = user_class
             del self.module.log
             self.module._device = device
@@ -319,6 +352,31 @@ class LightningPort:
             if (hook, name) not in self._warned:
                 self._warned.add((hook, name))
                 _warn_at(getattr(user_class, hook), f"{user_class.__name__}.{hook}", name)
+
+    def _watch_lr(self, read: set[str]) -> list[tuple[list[Any], int, dict[str, Any]]]:
+        """The Trainer's optimizers' param groups, swapped for dicts that note an ``lr`` read.
+
+        (``self.optimizers().param_groups[0]["lr"]`` logged from a step is a constant of the
+        trace.) Returns what to put back.
+        """
+        trainer = getattr(self.module, "_trainer", None)
+        swapped: list[tuple[Any, Any, Any]] = []
+        for optimizer in getattr(trainer, "optimizers", None) or []:
+            groups = optimizer.param_groups
+            for index, group in enumerate(groups):
+                swapped.append((groups, index, group))
+                groups[index] = _ReadNoted(group, read)
+        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+            scheduler = config.scheduler  # get_last_lr() of self.lr_schedulers()
+            own = scheduler.__dict__.get("get_last_lr")
+
+            def noted(_f: Any = scheduler.get_last_lr) -> Any:
+                read.add("lr")
+                return _f()
+
+            swapped.append((scheduler.__dict__, "get_last_lr", own))
+            scheduler.__dict__["get_last_lr"] = noted
+        return swapped
 
     def _traced_metrics(
         self,
