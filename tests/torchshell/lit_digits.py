@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 
 
@@ -35,3 +36,26 @@ class LitDigits(L.LightningModule):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)]
+
+
+class StepsOnly(L.LightningModule):
+    """Computes in its steps only (no forward), with a metric object and a plateau schedule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = F.cross_entropy(self.net(batch["x"]), batch["y"].long())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_acc(self.net(batch["x"]), batch["y"].long())
+        self.log("val_acc", self.val_acc)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_acc"}}

@@ -636,6 +636,36 @@ def test_coreshell_train_ports_a_lightning_module_by_import_path(tmp_path: Path)
     LitDigits().load_state_dict(exported, strict=True)
 
 
+def test_coreshell_train_ports_a_module_with_no_forward_and_says_what_it_skips(
+    tmp_path: Path,
+) -> None:
+    """A module computing only in its steps (with torchmetrics and ReduceLROnPlateau): trains,
+    exports, and says that predictions, parity and serving need a forward (before: crashed
+    after training in the test-split predictions)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.torchshell.lit_digits import StepsOnly
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable, "-m", "torchshell.app.cli", "train", "data=digits",
+        "model.lightning._target_=tests.torchshell.lit_digits.StepsOnly",
+        "trainer.max_epochs=2", "trainer.max_steps=-1", "trainer.check_val_every_n_epoch=1",
+        "ckpt.every_n_steps=0", "trainer.enable_progress_bar=false",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/run",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Adam + ReduceLROnPlateau per epoch" in proc.stdout
+    assert "StepsOnly defines no forward()" in proc.stdout and "val_acc=" in proc.stdout
+    exported = load_file(tmp_path / "run" / "export" / "model.safetensors")
+    StepsOnly().load_state_dict(exported, strict=True)
+
+
 def test_from_torch_specialises_a_scalar_read_from_the_batch(tmp_path: Path) -> None:
     """``int(lengths.max().item())`` in a forward: compiled per value under the Trainer."""
 

@@ -119,17 +119,16 @@ def end_summary(
     shown = ", ".join(
         f"{k}={human(v)}"
         for k, v in sorted(metrics.items())
-        if "/" in k and not k.startswith(("bridge/", "perf/", "compile/"))
+        if not k.startswith(("bridge/", "perf/", "compile/")) and k not in ("loss", "samples/s")
     )
     where = f"{cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})"
     print(f"\nMLflow run {report.run_id} in {where}")
     if not report.complete:
         print(f"  tracking: {report}")
     print(f"  metrics: {shown}")
-    print(
-        f"  torch weights: {result['export']} "
-        f"(parity max abs diff {result['parity_max_abs_diff']:.1e})"
-    )
+    parity = result["parity_max_abs_diff"]
+    checked = "no forward: not checked" if parity is None else f"parity max abs diff {parity:.1e}"
+    print(f"  torch weights: {result['export']} ({checked})")
     if run.cache is not None:
         print(f"  {run.cache}")
     if cfg.tracking.uri.startswith("sqlite:"):

@@ -37,6 +37,19 @@ def predict_test_split(module: Any, data: Any, label_key: str = "y") -> tuple[An
     return labels, np.concatenate(logits), first
 
 
+def has_forward(twin: torch.nn.Module) -> bool:
+    """Whether ``twin`` computes outputs (a LightningModule may define only its steps).
+
+    Example:
+        >>> has_forward(torch.nn.Linear(2, 1)), has_forward(torch.nn.Module())
+        (True, False)
+    """
+    import lightning as L
+
+    forward = getattr(type(twin), "forward", None)
+    return forward not in (torch.nn.Module.forward, L.LightningModule.forward)
+
+
 def servable(twin: torch.nn.Module) -> tuple[torch.nn.Module, np.ndarray]:
     """What MLflow serves: ``twin.serving()`` when the recipe defines one (e.g. the audio
     front-end in front of the encoder), else the twin; with a numpy input example."""
@@ -90,10 +103,24 @@ def publish(
     dynamic batch and time axes (:mod:`torchshell.app.served`), any other as an MLflow
     PyTorch model.
 
+    A twin with no ``forward`` (a LightningModule that computes only in its steps) gets the
+    export and the summary; predictions, parity and the served model are skipped, said once.
+
     Returns:
-        ``{"export": path, "parity_max_abs_diff": float, "test_accuracy": float | None}``.
+        ``{"export": path, "parity_max_abs_diff": float | None, "test_accuracy": float |
+        None}``.
     """
     export_path = export_module(module, twin, out_dir / "export" / "model.safetensors")
+    if not has_forward(twin):  # a LightningModule that computes in training_step only
+        print(
+            f"coreshell: {type(twin).__name__} defines no forward(), so the test-split "
+            "predictions, the parity check and the served model are skipped (the trained "
+            "weights are in export/model.safetensors and the checkpoints). Fix: define "
+            "forward(...) on it."
+        )
+        logger.log_artifact(export_path, "export")
+        logger.log_text(module.summary + "\n", "model_summary.txt")
+        return {"export": export_path, "parity_max_abs_diff": None, "test_accuracy": None}
     labels, logits, batch = predict_test_split(module, data)
     with torch.no_grad():
         torch_logits = twin(*(batch[k] for k in inputs))
