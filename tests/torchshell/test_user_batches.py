@@ -392,14 +392,17 @@ class ReadsProgress(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def _fit_warned(jm: Any, tmp_path: Path, match: str, **limits: Any) -> list[Any]:
+    """Fits ``jm`` on the rows; the warnings, one of which must match ``match``."""
+    with pytest.warns(UserWarning, match=match) as seen:
+        _quiet_trainer(tmp_path, **limits).fit(jm, DataLoader(_rows(), batch_size=16))
+    return list(seen)
+
+
 def test_reading_the_step_counter_in_a_traced_step_is_told_not_silent(tmp_path: Path) -> None:
     jm = JaxModule.from_lightning(ReadsProgress(), print_summary=False)
-    with pytest.warns(
-        UserWarning,
-        match=r"ReadsProgress.training_step reads self.global_step.*"
-        r"trace time \(0\).*lr scheduler",
-    ) as seen:
-        _quiet_trainer(tmp_path, max_steps=3).fit(jm, DataLoader(_rows(), batch_size=16))
+    match = r"ReadsProgress.training_step reads self.global_step.*trace time \(0\).*lr scheduler"
+    seen = _fit_warned(jm, tmp_path, match, max_steps=3)
     # once per hook and counter, at the user's method; the class is the user's again
     hits = [w for w in seen if "reads self.global_step" in str(w.message)]
     assert len(hits) == 1 and hits[0].filename == __file__
@@ -683,12 +686,8 @@ class LogsItsLr(Small):
 def test_reading_the_lr_in_a_traced_step_is_told_not_silent(tmp_path: Path) -> None:
     user = LogsItsLr()
     jm = JaxModule.from_lightning(user, print_summary=False)
-    with pytest.warns(
-        UserWarning,
-        match=r"LogsItsLr.training_step reads the optimizer's lr.*"
-        r"LearningRateMonitor",
-    ) as seen:
-        _quiet_trainer(tmp_path, max_epochs=2).fit(jm, DataLoader(_rows(), batch_size=16))
+    match = r"LogsItsLr.training_step reads the optimizer's lr.*LearningRateMonitor"
+    seen = _fit_warned(jm, tmp_path, match, max_epochs=2)
     assert len([w for w in seen if "reads the optimizer's lr" in str(w.message)]) == 1
     # the optimizer's own param groups and scheduler are back as they were
     optimizer = jm.trainer.optimizers[0]
