@@ -66,7 +66,7 @@ def _inputs(batch: Batch, dtype: Any) -> Batch:
     return cast_floating(batch, dtype)
 
 
-def _reduce(values: jax.Array, mask: jax.Array, count: jax.Array, name: str = "") -> jax.Array:
+def _reduce(values: jax.Array, mask: Any, count: jax.Array, name: str = "") -> jax.Array:
     """Masked sum of per-example ``values[B]``; a 0-d value is a batch mean (sum = v x rows).
 
     A :data:`TOTAL` metric is returned as it is.
@@ -87,15 +87,28 @@ def _sums(
     batch: Batch,
     key: jax.Array,
     dtype: Any,
+    weigh_rows: bool = True,
 ) -> tuple[jax.Array, tuple[PyTree, Metrics, jax.Array]]:
-    """Masked *sums* of loss and metrics on one (micro-)batch, and its valid-row count."""
+    """Masked *sums* of loss and metrics on one (micro-)batch, and its valid-row count.
+
+    ``weigh_rows=False``: the batch weighs one whatever its rows (its values are means).
+    """
     outputs, new_state = model.apply(
         cast_floating(params, dtype), model_state, _inputs(batch, dtype), key, True
     )
     outputs = cast_floating(outputs, jnp.float32)
     losses, metrics = loss_fn(outputs, batch)
-    mask = _mask(batch, _rows(batch)).astype(jnp.float32)
-    count = jnp.sum(mask)
+    if weigh_rows:
+        mask = _mask(batch, _rows(batch)).astype(jnp.float32)
+        count = jnp.sum(mask)
+    else:
+        mask, count = None, jnp.float32(1.0)
+        for name, v in {"loss": losses, **metrics}.items():
+            if jnp.ndim(v) and not name.startswith(TOTAL):
+                raise BatchError(
+                    f"weigh_rows=False takes batch means, got {name!r} of shape "
+                    f"{jnp.shape(v)}. Fix: return 0-d means, or weigh_rows=True."
+                )
     sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
     if dtype is not None:  # model state (e.g. batch_stats) keeps its own dtypes
         new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
@@ -133,6 +146,7 @@ def make_train_step(
     nan_policy: str = "none",
     stacked_micro: bool = False,
     grad_scale: float = 1.0,
+    weigh_rows: bool = True,
 ) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -163,6 +177,10 @@ def make_train_step(
 
         grad_scale: multiplies the mean gradient before the update (Lightning's last,
             short accumulation window: ``k / accumulate_grad_batches``).
+        weigh_rows: ``True``: means over rows (a micro-batch weighs its valid rows).
+            ``False``: each micro-batch weighs one, as under Lightning's
+            ``accumulate_grad_batches`` (the mean of the micro-batches' means); the loss and
+            metrics must be 0-d batch means and the fields need no common row count.
 
     The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
     ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
@@ -191,7 +209,7 @@ def make_train_step(
     policy = check_policy(nan_policy)
 
     def sums_fn(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Any:
-        return _sums(model, loss_fn, params, model_state, batch, key, dtype)
+        return _sums(model, loss_fn, params, model_state, batch, key, dtype, weigh_rows)
 
     value_and_grad = jax.value_and_grad(sums_fn, has_aux=True)
 

@@ -99,6 +99,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         3
     """
 
+    _weigh_rows = True  # a micro-batch weighs its valid rows (exact masked means)
+
     def __init__(
         self,
         model: nn.Module | nnx.Module | ModelFns,
@@ -321,6 +323,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             grad_scale=grad_scale,
             compute_dtype=self._compute_dtype,
             nan_policy=self.nan_policy,
+            weigh_rows=self._weigh_rows,
         )
 
     def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:

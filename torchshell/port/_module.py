@@ -97,6 +97,17 @@ _OPTIMIZER_HOOKS = (
 )
 
 
+def _first_rows(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.shape[0] if tree.ndim else 1
+    items = tree.values() if isinstance(tree, Mapping) else tree
+    if isinstance(tree, (Mapping, list, tuple)):
+        for item in items:
+            if n := _first_rows(item):
+                return n
+    return 0
+
+
 class LightningParts(UserMetrics, UserEvaluation, _Shared):
     """What :class:`~torchshell.module.LightningJaxModule` adds to a ``JaxModule``.
 
@@ -108,6 +119,10 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         optimizer: an optax transform to use instead of ``configure_optimizers``.
         **kwargs: :class:`JaxModule` options.
     """
+
+    # Lightning weighs each accumulated batch's loss equally (loss / accumulate_grad_batches),
+    # whatever its rows or mask: the user's structure has no row count of coreshell's.
+    _weigh_rows = False
 
     def __init__(
         self,
@@ -445,7 +460,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         return self._placed(batch, stacked=False)
 
     def _global_rows(self, batch: Any) -> int:
-        return self._leading(batch)
+        """Rows of a batch: its fields' common leading size, else Lightning's batch size (the
+        first tensor's, in the batch's own order: e.g. a dict of several loaders' batches)."""
+        return self._leading(batch) or _first_rows(batch)
 
     def _stack(self, batches: list[Any]) -> Any:
         shapes = {tuple(jax.tree.map(lambda t: tuple(t.shape), b).__repr__()) for b in batches}
@@ -465,7 +482,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 "steps_per_call > 1 is not supported by JaxModule.from_lightning (the user's "
                 "batches are not re-stacked). Fix: use steps_per_call=1."
             )
-        return self._placed(batch, stacked=False), batch, self._leading(batch)
+        return self._placed(batch, stacked=False), batch, self._global_rows(batch)
 
     def _batch_check(self, batch: Any) -> Any:
         return contextlib.nullcontext()  # the traced step names its own errors

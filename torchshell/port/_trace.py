@@ -30,7 +30,15 @@ from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell.torch_model import TorchTracer
 
-__all__ = ["HOOKS", "METRIC_KEY", "LightningPort", "LogSpec", "MetricCall", "add_metric_states"]
+__all__ = [
+    "HOOKS",
+    "METRIC_KEY",
+    "LightningPort",
+    "LogSpec",
+    "MetricCall",
+    "add_metric_states",
+    "hook_key",
+]
 
 PyTree = Any
 
@@ -60,6 +68,7 @@ class LogSpec:
     reduce_fx: str = "mean"
     batch_size: int | None = None
     metric: str | None = None  # a torchmetrics object logged (its attribute path)
+    add_dataloader_idx: bool = True  # several evaluation loaders: "name/dataloader_idx_N"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +124,11 @@ def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any],
     metric._computed = None
     if call.forward:
         metric._forward_cache = torch.tensor(np.array(host[f"{METRIC_KEY}{i}/value"]))  # type: ignore[assignment]
+
+
+def hook_key(hook: str, dataloader_idx: int | None = None) -> str:
+    """Where :meth:`LightningPort.call` keeps a hook's logged names: per evaluation loader."""
+    return hook if dataloader_idx is None else f"{hook}/{dataloader_idx}"
 
 
 def _reduce_name(reduce_fx: Any) -> str:
@@ -319,6 +333,7 @@ class LightningPort:
                 reduce_fx=_reduce_name(reduce_fx),
                 batch_size=batch_size,
                 metric=metric,
+                add_dataloader_idx=bool(add_dataloader_idx),
             )
             records.append((spec, value))
 
@@ -478,8 +493,14 @@ class LightningPort:
         batch: PyTree,
         rng: jax.Array,
         train: bool,
+        dataloader_idx: int | None = None,
     ) -> tuple[Any, dict[str, jax.Array], PyTree]:
-        """Runs ``module.<hook>(batch, 0)`` traced; ``(outputs, logged values, new state)``."""
+        """Runs ``module.<hook>(batch, 0)`` traced; ``(outputs, logged values, new state)``.
+
+        With ``dataloader_idx`` (several evaluation loaders): ``module.<hook>(batch, 0,
+        dataloader_idx)``; what it logs is kept under :func:`hook_key`.
+        """
+        extra = () if dataloader_idx is None else (dataloader_idx,)
         records: list[tuple[LogSpec, Any]] = []
         calls: list[tuple[MetricCall, dict[str, Any]]] = []
 
@@ -491,7 +512,7 @@ class LightningPort:
                 self.embeddings.watching(b),
                 torch.autocast("cpu", enabled=False),
             ):
-                out = getattr(self.module, hook)(b, 0)
+                out = getattr(self.module, hook)(b, 0, *extra)
             return out, [value for _, value in records], [states for _, states in calls]
 
         (out, values, states), new_state = self.tracer.call(
@@ -510,8 +531,8 @@ class LightningPort:
             specs[spec.name], logs[spec.name] = spec, array.reshape(())
         for i, arrays in enumerate(states):  # a metric's batch states, for the host
             logs |= {f"{METRIC_KEY}{i}/{k}": jnp.asarray(v) for k, v in arrays.items()}
-        self.specs[hook] = specs
-        self.metric_calls[hook] = [call for call, _ in calls]
+        self.specs[hook_key(hook, dataloader_idx)] = specs
+        self.metric_calls[hook_key(hook, dataloader_idx)] = [call for call, _ in calls]
         return out, logs, new_state
 
     def loss_of(self, out: Any) -> jax.Array:

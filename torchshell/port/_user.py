@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 import bridge
 import jaxcore
 from jaxcore import TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
-from torchshell.port._trace import METRIC_KEY, LogSpec, add_metric_states
+from torchshell._errors import ConfigError
+from torchshell.port._trace import METRIC_KEY, LogSpec, add_metric_states, hook_key
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 
@@ -91,6 +93,8 @@ class UserMetrics:
         for name, spec in epoch.items():
             v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1]
             weight = jnp.float32(spec.batch_size) if spec.batch_size else w
+            if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
+                weight = jnp.float32(1.0)
             new[name] = (v * weight, weight, v, v)
         self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
 
@@ -172,8 +176,9 @@ class UserEvaluation:
     _to_jax: Any
     _leading: Any
 
-    def _eval_step_for(self, hook: str) -> jaxcore.Step:
-        if hook not in self._eval_steps:
+    def _eval_step_for(self, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
+        key = hook_key(hook, dataloader_idx)
+        if key not in self._eval_steps:
             dtype = resolve_dtype(self._compute_dtype)
             dtype = None if dtype == jnp.float32 else dtype
             port = self.port
@@ -186,21 +191,31 @@ class UserEvaluation:
                     cast_floating(batch, dtype),
                     state.rng,
                     False,
+                    dataloader_idx,
                 )
                 return cast_floating(out, jnp.float32), logs
 
-            self._eval_steps[hook] = jaxcore.Step(step, name=hook)
-        return self._eval_steps[hook]
+            self._eval_steps[key] = jaxcore.Step(step, name=key)
+        return self._eval_steps[key]
 
-    def _run_hook(self, hook: str, batch: Any) -> Any:
+    def _run_hook(self, hook: str, batch: Any, dataloader_idx: int | None = None) -> Any:
+        if dataloader_idx is not None:
+            user_hook = getattr(self.port.module, hook)
+            if not is_param_in_hook_signature(user_hook, "dataloader_idx", explicit=True):
+                raise ConfigError(  # (Lightning's own check, on the user's hook)
+                    f"You provided several dataloaders for {type(self.port.module).__name__}."
+                    f"{hook}, which takes no `dataloader_idx` argument. Fix: add "
+                    "`dataloader_idx=0` to its signature (Lightning passes each loader's index)."
+                )
         state = self.init_state(batch)
-        out, logs = self._eval_step_for(hook)(state, self._to_jax(batch))
+        out, logs = self._eval_step_for(hook, dataloader_idx)(state, self._to_jax(batch))
         n = self._leading(batch)
         host = jax.device_get(logs)
         user = self.port.module
-        for i, call in enumerate(self.port.metric_calls[hook]):  # torchmetrics objects
+        key = hook_key(hook, dataloader_idx)
+        for i, call in enumerate(self.port.metric_calls[key]):  # torchmetrics objects
             add_metric_states(user.get_submodule(call.path), call, host, i)
-        for name, spec in self.port.specs[hook].items():
+        for name, spec in self.port.specs[key].items():
             value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
             self.log(
                 name,
@@ -212,14 +227,18 @@ class UserEvaluation:
                 on_epoch=spec.on_epoch,
                 reduce_fx=spec.reduce_fx,
                 batch_size=spec.batch_size or n or None,
+                add_dataloader_idx=spec.add_dataloader_idx,
             )
         return out
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        return bridge.to_torch(self._run_hook("validation_step", batch))  # batch-end hooks' outputs
+    # ``dataloader_idx`` is passed by Lightning with several loaders only (the user's hook
+    # then takes it too, as Lightning requires).
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        out = self._run_hook("validation_step", batch, dataloader_idx)
+        return bridge.to_torch(out)  # batch-end hooks' outputs
 
-    def test_step(self, batch: Any, batch_idx: int) -> Any:
-        return bridge.to_torch(self._run_hook("test_step", batch))
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return bridge.to_torch(self._run_hook("test_step", batch, dataloader_idx))
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        return bridge.to_torch(self._run_hook("predict_step", batch))
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return bridge.to_torch(self._run_hook("predict_step", batch, dataloader_idx))

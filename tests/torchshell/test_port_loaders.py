@@ -1,0 +1,215 @@
+"""Lightning's loader arrangements and logging reductions through ``from_lightning``, each
+against plain Lightning: several validation/test/predict loaders (``dataloader_idx``), a dict
+of training loaders, ``self.log(reduce_fx=...)``, and accumulated batches whose ``mask``
+counts differ."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from torchshell import JaxModule
+from torchshell._errors import ConfigError
+
+_G = torch.Generator().manual_seed(0)
+X = torch.randn(100, 8, generator=_G)
+Y = (X[:, 0] > 0).long()
+
+
+def _loader(n: int = 100, batch_size: int = 32) -> DataLoader:
+    return DataLoader(TensorDataset(X[:n], Y[:n]), batch_size=batch_size)
+
+
+class Classifier(L.LightningModule):
+    """A small MLP; ``training_step`` logs ``train_loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class SeveralLoaders(Classifier):
+    """Evaluation hooks that take ``dataloader_idx``, as Lightning asks with several loaders."""
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+        self.log(f"val_acc_{dataloader_idx}", (self(x).argmax(1) == y).float().mean())
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log(f"test_loss_{dataloader_idx}", loss, add_dataloader_idx=False)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch[0]) + dataloader_idx
+
+
+class TwoTrainLoaders(Classifier):
+    """``training_step`` reads a dict of two loaders' batches (of 32 and 16 rows)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x1, y1), (x2, y2) = batch["a"], batch["b"]
+        loss = F.cross_entropy(self(x1), y1) + 0.5 * F.cross_entropy(self(x2), y2)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+
+class Reductions(Classifier):
+    """One loss logged per epoch under each of Lightning's reductions."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        for fx in ("mean", "sum", "max", "min"):
+            self.log(f"loss_{fx}", loss, on_step=False, on_epoch=True, reduce_fx=fx)
+        return loss
+
+
+def _trainer(tmp_path: Path, **flags: Any) -> L.Trainer:
+    return L.Trainer(
+        **(flags or {"max_epochs": 2}),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+
+def _both(
+    make: Callable[[], L.LightningModule], tmp_path: Path, *loaders: Any, **flags: Any
+) -> dict[str, tuple[L.Trainer, L.LightningModule]]:
+    """Fits ``make()`` plainly and through ``from_lightning`` on the same loaders."""
+    runs = {}
+    for mode in ("plain", "jax"):
+        user = make()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = _trainer(tmp_path / mode, **flags)
+        trainer.fit(module, *loaders)
+        runs[mode] = (trainer, module)
+    return runs
+
+
+def _metrics(trainer: L.Trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _close(a: dict[str, float], b: dict[str, float]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
+def test_several_evaluation_loaders_log_and_predict_per_loader_as_plain_lightning(
+    tmp_path: Path,
+) -> None:
+    vals = [_loader(50), _loader(100, 16)]
+    runs = _both(SeveralLoaders, tmp_path, _loader(), vals)
+    _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
+    assert "val_loss/dataloader_idx_1" in runs["jax"][0].callback_metrics
+    tests = [_loader(40), _loader(60, 20)]
+    plain_test = runs["plain"][0].test(runs["plain"][1], tests, verbose=False)
+    jax_test = runs["jax"][0].test(runs["jax"][1], tests, verbose=False)
+    assert len(jax_test) == 2
+    for a, b in zip(plain_test, jax_test, strict=True):
+        _close(a, b)
+    assert list(jax_test[0]) == ["test_loss_0"] and list(jax_test[1]) == ["test_loss_1"]
+    preds = [DataLoader(TensorDataset(X[:10]), batch_size=5)] * 2
+    plain_pred = runs["plain"][0].predict(runs["plain"][1], preds)
+    jax_pred = runs["jax"][0].predict(runs["jax"][1], preds)
+    for a, b in zip(plain_pred, jax_pred, strict=True):  # a list per loader
+        torch.testing.assert_close(torch.cat(a), torch.cat(b), rtol=1e-4, atol=1e-5)
+
+
+def test_several_loaders_need_dataloader_idx_in_the_users_hook(tmp_path: Path) -> None:
+    class NoIndex(Classifier):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    module = JaxModule.from_lightning(NoIndex(), print_summary=False)
+    with pytest.raises(ConfigError, match=r"NoIndex\.validation_step.*dataloader_idx=0"):
+        _trainer(tmp_path).fit(module, _loader(), [_loader(50), _loader(60)])
+
+
+def test_a_dict_of_training_loaders_trains_as_plain_lightning(tmp_path: Path) -> None:
+    runs = _both(TwoTrainLoaders, tmp_path, {"a": _loader(), "b": _loader(64, 16)})
+    _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
+    plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
+    for name, value in plain.items():
+        torch.testing.assert_close(ported[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_logged_reductions_sum_max_min_mean_as_plain_lightning(tmp_path: Path) -> None:
+    """100 rows in batches of 32: Lightning sums the logged values unweighted (before: each
+    was weighted by its batch's rows, a sum ~25x too large)."""
+    runs = _both(Reductions, tmp_path, _loader())
+    plain, ported = _metrics(runs["plain"][0]), _metrics(runs["jax"][0])
+    _close(plain, ported)
+    assert ported["loss_sum"] > 3 * ported["loss_mean"]  # four batches, summed
+
+
+class Masked(Dataset):
+    """Sequences with a padding ``mask`` whose valid counts differ from batch to batch."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 6, 4, generator=g)
+        lengths = torch.randint(1, 7, (64,), generator=g)
+        self.mask = torch.arange(6)[None, :] < lengths[:, None]
+        self.y = torch.randn(64, generator=g)
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "mask": self.mask[i], "y": self.y[i]}
+
+
+class MaskedRegressor(L.LightningModule):
+    """A masked mean over time, regressed on ``y``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.lin = nn.Linear(4, 1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        m = batch["mask"].float()
+        pred = (self.lin(batch["x"]).squeeze(-1) * m).sum(1) / m.sum(1)
+        loss = F.mse_loss(pred, batch["y"])
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_accumulated_batches_weigh_equally_whatever_their_mask(tmp_path: Path) -> None:
+    """Lightning adds ``loss / accumulate_grad_batches`` per batch. Before, a user's ``mask``
+    field weighed each batch by its valid tokens (weights 0.037 apart after one epoch)."""
+    loader = DataLoader(Masked(), batch_size=8)
+    runs = _both(MaskedRegressor, tmp_path, loader, max_epochs=1, accumulate_grad_batches=2)
+    plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
+    for name, value in plain.items():
+        torch.testing.assert_close(ported[name], value, rtol=1e-5, atol=1e-6)
