@@ -73,7 +73,7 @@ class _Shared(L.LightningModule):
     _short_steps: dict[int, jaxcore.Step]
     _eval_step: jaxcore.Step | None
     _predict_step: jaxcore.Step | None
-    _eval_sums: dict[str, jax.Array] | None
+    _eval_sums: dict[int | None, dict[str, jax.Array]]  # per evaluation loader
     _restore_dir: Path | None
     _restore_tensors: dict[str, torch.Tensor] | None
     _fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -270,7 +270,7 @@ class HandOverPart(_Shared):
 
 class EvaluationPart(_Shared):
     # -- evaluation ----------------------------------------------------------------------
-    def _eval(self, batch: Any) -> None:
+    def _eval(self, batch: Any, dataloader_idx: int | None) -> None:
         batch = self._prepare(batch)
         state = self.init_state(batch)
         if self._eval_step is None:
@@ -283,35 +283,38 @@ class EvaluationPart(_Shared):
             )
         with self._batch_check(batch):
             sums = self._eval_step(state, self._static(self._to_jax(batch), False))
-        self._eval_sums = (
-            sums
-            if self._eval_sums is None
-            else jax.tree.map(lambda a, b: a + b, self._eval_sums, sums)
+        before = self._eval_sums.get(dataloader_idx)
+        self._eval_sums[dataloader_idx] = (
+            sums if before is None else jax.tree.map(lambda a, b: a + b, before, sums)
         )
 
     def _eval_epoch_end(self, prefix: str) -> None:
-        if self._eval_sums is None:
-            return
-        sums = jax.device_get(self._eval_sums)
-        self._eval_sums = None
-        count = float(sums.pop("count"))
-        self.log_dict(
-            {f"{prefix}/{k}": float(v) / count for k, v in sums.items()}, prog_bar=prefix == "val"
-        )
+        """Exact epoch means per loader: ``val/loss``, or with several loaders Lightning's
+        ``val/loss/dataloader_idx_N``."""
+        every, self._eval_sums = jax.device_get(self._eval_sums), {}
+        for idx, sums in every.items():
+            count = float(sums.pop("count"))
+            suffix = "" if idx is None else f"/dataloader_idx_{idx}"
+            self.log_dict(
+                {f"{prefix}/{k}{suffix}": float(v) / count for k, v in sums.items()},
+                prog_bar=prefix == "val",
+                add_dataloader_idx=False,  # (named here: epoch-end hooks have no loader)
+            )
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval(batch)
+    # ``dataloader_idx``: passed by Lightning with several loaders only.
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
+        self._eval(batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval(batch)
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
+        self._eval(batch, dataloader_idx)
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         batch = self._prepare(batch)
         state = self.init_state(batch)
         if self._predict_step is None:

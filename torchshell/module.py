@@ -185,7 +185,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self._short_steps: dict[int, jaxcore.Step] = {}  # a short last accumulation window
         self._eval_step: jaxcore.Step | None = None
         self._predict_step: jaxcore.Step | None = None
-        self._eval_sums: dict[str, jax.Array] | None = None
+        self._eval_sums: dict[int | None, dict[str, jax.Array]] = {}
         self._restore_dir: Path | None = None
         self._restore_tensors: dict[str, torch.Tensor] | None = None
         self._window: list[Any] = []  # batches of the current accumulation window

@@ -1,4 +1,5 @@
 import jax
+import pytest
 import numpy as np
 
 import jaxcore
@@ -66,3 +67,33 @@ def test_early_stopping_on_a_validation_metric():
     trainer.fit(module, DigitsDataModule(batch_size=64))
     assert trainer.global_step < 2000 and stop.stopped_epoch > 0
     assert trainer.callback_metrics["val/accuracy"] >= 0.9
+
+
+def test_several_evaluation_loaders_get_exact_means_each():
+    """``fit(m, train, [val_a, val_b])``: before, Lightning refused (JaxModule.validation_step
+    took no ``dataloader_idx``). Each loader's epoch mean is the one a single-loader run of
+    that loader gives, named as Lightning names them."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(90, 64, generator=g), torch.randint(0, 10, (90,), generator=g)
+    a = DataLoader(TensorDataset(x[:50], y[:50]), batch_size=16)  # ragged last batches
+    b = DataLoader(TensorDataset(x[50:], y[50:]), batch_size=32)
+    module = JaxModule(
+        MLP(features=(16,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        print_summary=False,
+    )
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16), [a, b])
+    both = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    alone = [trainer.validate(module, loader, verbose=False)[0] for loader in (a, b)]
+    for i, metrics in enumerate(alone):
+        for name in ("val/loss", "val/accuracy"):
+            assert both[f"{name}/dataloader_idx_{i}"] == pytest.approx(metrics[name], rel=1e-6)
+    tested = trainer.test(module, [a, b], verbose=False)
+    assert tested[0]["test/loss/dataloader_idx_1"] == pytest.approx(alone[1]["val/loss"])
+    predicted = trainer.predict(module, [a, b])
+    assert [sum(len(p) for p in per) for per in predicted] == [50, 40]
