@@ -302,7 +302,9 @@ class EvaluationPart(_Shared):
             )
 
     # ``dataloader_idx``: passed by Lightning with several loaders only.
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
+    def validation_step(
+        self, batch: Any, batch_idx: int, dataloader_idx: int | None = None
+    ) -> None:
         self._eval(batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:

@@ -1,6 +1,6 @@
 import jax
-import pytest
 import numpy as np
+import pytest
 
 import jaxcore
 from jaxcore.models.digits import MLP
