@@ -3,7 +3,9 @@
 Each checkpoint is a directory written atomically (a temporary directory, then a rename)::
 
     epoch=0-step=100.ckpt/
-        state/            Orbax: the whole jaxcore TrainState
+        state/            Orbax: the whole jaxcore TrainState (saved asynchronously: its
+                          arrays under 1 MB packed into one per dtype, the layout in
+                          Orbax's custom metadata; torchshell._packed_state)
         lightning.pt      Lightning's loop, callback and DataLoader state; RNG states
                           (tensors and plain types only: loaded with weights_only=True)
         export/model.safetensors, config.yaml   written by an ``on_save``/``export`` hook
@@ -40,6 +42,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import bridge
 from torchshell import _checkpoint_files as files
+from torchshell import _packed_state as packed
 from torchshell._checkpoint_async import Pending, device_copy, join_in_flight
 from torchshell._errors import CheckpointError
 from torchshell.distributed import barrier, is_main
@@ -95,9 +98,15 @@ def restore_state(directory: Path, template: Any) -> Any:
         CheckpointError: naming the paths only in the checkpoint, only in the model, and the
             shapes that differ, when the checkpoint belongs to another model.
     """
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _savable(template))
+    savable = _savable(template)
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, savable)
     with ocp.StandardCheckpointer() as ckptr:
-        saved = _shapes(ckptr.metadata(directory.absolute()).item_metadata.tree)
+        metadata = ckptr.metadata(directory.absolute())
+        layout = (metadata.custom_metadata or {}).get(packed.LAYOUT_KEY)
+        if layout is None:  # saved array by array (several processes: synchronous saves)
+            saved = _shapes(metadata.item_metadata.tree)
+        else:
+            saved = packed.saved_shapes(layout)
         diff = _tree_diff(saved, _shapes(target))
         if diff:
             raise CheckpointError(
@@ -105,7 +114,13 @@ def restore_state(directory: Path, template: Any) -> Any:
                 "with the model and optimizer config it was written with (its config.yaml), "
                 "or start a new run (resume=null)."
             )
-        raw = ckptr.restore(directory.absolute(), target)
+        if layout is None:
+            raw = ckptr.restore(directory.absolute(), target)
+        else:
+            restored = ckptr.restore(
+                directory.absolute(), packed.restore_target(layout, savable)
+            )
+            raw = packed.unpack(restored, layout, savable)
     return jax.tree.map(
         lambda t, r: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
         template,
@@ -270,8 +285,11 @@ class OrbaxCheckpointIO(CheckpointIO):
         if self._ckptr is None:
             self._ckptr = ocp.StandardCheckpointer()
         snapshot = device_copy(_savable(self.get_state()))
+        saved, layout = packed.pack(snapshot)  # (Orbax's cost is per array: see the module)
         try:
-            self._ckptr.save((tmp / "state").absolute(), snapshot)
+            self._ckptr.save(
+                (tmp / "state").absolute(), saved, custom_metadata={packed.LAYOUT_KEY: layout}
+            )
             if self.on_save is not None:
                 self.on_save(tmp)
             torch.save(checkpoint, tmp / "lightning.pt")
