@@ -173,3 +173,45 @@ def test_the_export_hook_runs_off_the_training_thread_on_the_saved_copy(tmp_path
     with pytest.raises(CheckpointError, match=r"step=2.*No space left"):
         run.io.teardown()  # the end of fit raises the background failure
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing partial
+
+
+def _mixed_state(width: int = 16) -> dict[str, Any]:
+    """Small and large arrays of several dtypes, a scalar and a typed PRNG key."""
+    k = jax.random.key(3)
+    return {
+        "params": {
+            "w": jax.random.normal(k, (width, 8)),
+            "b": jnp.arange(8, dtype=jnp.float32),
+            "emb": jax.random.normal(k, (300_000,)),  # 1.2 MB: saved as it is
+        },
+        "half": jnp.linspace(0, 1, 6, dtype=jnp.bfloat16),
+        "step": jnp.int32(7),
+        "rng": jax.random.key(11),
+        "norms": [jnp.full((4,), float(i)) for i in range(30)],
+    }
+
+
+def test_small_arrays_are_saved_packed_and_restored_bit_identically(tmp_path: Path):
+    """Orbax's cost is per array: the async save writes small arrays as one per dtype
+    (here 5 arrays for 6 leaves + 30 small ones), with the layout in the checkpoint's
+    metadata."""
+    import orbax.checkpoint as ocp
+
+    state = _mixed_state()
+    io = OrbaxCheckpointIO(lambda: state, lambda _: None)
+    path = tmp_path / "epoch=0-step=7.ckpt"
+    io.save_checkpoint({"step": 7}, path)
+    io.teardown()
+    with ocp.StandardCheckpointer() as ckptr:
+        saved = ckptr.metadata((path / "state").absolute()).item_metadata.tree
+    assert len(jax.tree.leaves(saved)) == 5  # float32, bfloat16, int32, uint32 (key), the big
+    template = jax.tree.map(lambda x: x, _mixed_state())
+    template["params"]["w"] = template["params"]["w"] * 0
+    restored = restore_state(path / "state", template)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(CheckpointError, match=r"shapes differ.*params/w \(16, 8\) vs \(32, 8\)"):
+        restore_state(path / "state", _mixed_state(width=32))
