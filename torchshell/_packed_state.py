@@ -71,7 +71,7 @@ def restore_target(layout: list[list[Any]], template: Any) -> dict[str, Any]:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     sizes: dict[str, int] = {}
     big = {}
-    for i, (_, shape, dtype, group, offset) in enumerate(layout):
+    for i, (_, shape, _, group, offset) in enumerate(layout):
         if group:
             sizes[group] = max(sizes.get(group, 0), offset + int(np.prod(shape)))
         else:

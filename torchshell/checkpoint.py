@@ -117,9 +117,7 @@ def restore_state(directory: Path, template: Any) -> Any:
         if layout is None:
             raw = ckptr.restore(directory.absolute(), target)
         else:
-            restored = ckptr.restore(
-                directory.absolute(), packed.restore_target(layout, savable)
-            )
+            restored = ckptr.restore(directory.absolute(), packed.restore_target(layout, savable))
             raw = packed.unpack(restored, layout, savable)
     return jax.tree.map(
         lambda t, r: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
