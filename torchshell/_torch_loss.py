@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import jaxcore
 from torchshell._errors import ConfigError
+from torchshell._torch_patterns import check_class_target
 
 __all__ = [
     "is_torch_loss",
@@ -272,6 +273,8 @@ def torch_loss_fn(
                 "the tensor the loss reads (e.g. `return self.model(x).logits` for a "
                 "transformers model), or pass a JAX loss_fn(outputs, batch) that picks it."
             )
+        if class_index:
+            check_class_target(name, outputs.ndim, target)
         # Lightning evaluates under inference_mode, which skips the decompositions torchax
         # lowers losses with (as in torch_model.py); int64 -> int32 narrowing: see there
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():

@@ -25,6 +25,7 @@ which are host reads, and the step matches them by that number.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchshell._errors import TorchModelError
@@ -257,15 +259,48 @@ def tracing() -> Iterator[None]:
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
     checks = _metric_checks()
+    losses = {(F, name): getattr(F, name) for name in ("cross_entropy", "nll_loss")}
     try:
         for module, name in checks:
             setattr(module, name, _no_check)
+        for (module, name), loss in losses.items():
+            setattr(module, name, _class_index_checked(loss))
         with jax.ensure_compile_time_eval():  # batch-independent values stay concrete
             yield
     finally:
-        for (module, name), check in checks.items():
+        for (module, name), check in {**checks, **losses}.items():
             setattr(module, name, check)
         torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
+    """Refuses floating class indices as torch does (under JAX they fail in a gather).
+
+    A floating target of the input's rank is class probabilities (``cross_entropy``'s soft
+    labels) and passes. ``target``: a torch or JAX array.
+    """
+    floating = getattr(target.dtype, "is_floating_point", None)
+    if floating is None:
+        floating = jnp.issubdtype(target.dtype, jnp.floating)
+    soft = loss in ("cross_entropy", "CrossEntropyLoss") and target.ndim == input_ndim
+    if floating and not soft:
+        raise TorchModelError(
+            f"{loss}: the target holds class indices of shape {tuple(target.shape)} but is "
+            f"{target.dtype} (plain torch raises 'expected scalar type Long but found "
+            "Float'). Fix: integer labels (.long() in the Dataset or collate), or class "
+            "probabilities of the input's shape."
+        )
+
+
+def _class_index_checked(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss`` with :func:`check_class_target` first."""
+
+    @functools.wraps(loss)
+    def checked(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        check_class_target(loss.__name__, input.ndim, target)
+        return loss(input, target, *args, **kwargs)
+
+    return checked
 
 
 def _no_check(*args: Any, **kwargs: Any) -> None:
