@@ -17,7 +17,7 @@ import jaxcore
 from jaxcore.models.digits import MLP
 from tests.helpers import quiet_trainer
 from torchshell import JaxModule
-from torchshell._errors import ConfigError
+from torchshell._errors import ConfigError, TorchModelError
 
 ROWS, FEATURES, OUT = 48, 6, 3
 
@@ -69,6 +69,11 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[nn.Module], Any], TensorData
         lambda: F.cross_entropy,
         lambda n: torch.optim.RMSprop(n.parameters(), lr=1e-2),
         _classes(),
+    ),
+    "CrossEntropyLoss on class probabilities + SGD": (
+        nn.CrossEntropyLoss,
+        lambda n: torch.optim.SGD(n.parameters(), lr=0.1),
+        TensorDataset(_classes().tensors[0], torch.softmax(_targets(False).tensors[1], -1)),
     ),
     "BCEWithLogitsLoss(pos_weight) + Adagrad": (
         lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([0.5, 2.0, 1.0])),
@@ -243,3 +248,34 @@ def test_a_dict_batch_finds_its_labels_field_and_trains_like_torch() -> None:
         opt.step()
     for name, value in ref.state_dict().items():
         np.testing.assert_allclose(jm.torch_state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_floating_class_indices_are_refused_as_torch_refuses_them() -> None:
+    """Labels stored as float ([B] float32), which torch refuses ('expected scalar type Long
+    but found Float'): before, JAX's "Indexer must have integer or boolean type" from inside
+    the loss. Now named, with the fix, on both torch paths (probabilities [B, C] train)."""
+    import lightning as L
+
+    x, y = _classes().tensors
+    loader = DataLoader(TensorDataset(x, y.float()), batch_size=12)
+    net = _net()
+    jm = JaxModule.from_torch(
+        net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.1), print_summary=False
+    )
+    with pytest.raises(TorchModelError, match=r"class indices.*float32.*Fix: integer labels"):
+        quiet_trainer(max_steps=1).fit(jm, loader)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.nll_loss(F.log_softmax(self.net(batch[0]), -1), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    port = JaxModule.from_lightning(Module(), print_summary=False)
+    with pytest.raises(TorchModelError, match=r"nll_loss: the target holds class indices"):
+        quiet_trainer(max_steps=1).fit(port, loader)
