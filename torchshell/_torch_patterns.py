@@ -164,6 +164,41 @@ class TracedScalar:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def _arith(self, op: Callable[[Any, Any], Any], other: Any, swap: bool = False) -> Any:
+        """``x.item() / n`` and the like (a value to log) stay traced scalars."""
+        if isinstance(other, TracedScalar):
+            other = other.x
+        elif not isinstance(other, int | float):
+            return NotImplemented
+        return TracedScalar(op(other, self.x) if swap else op(self.x, other), self.reads)
+
+    def __add__(self, o: Any) -> Any:
+        return self._arith(jnp.add, o)
+
+    def __radd__(self, o: Any) -> Any:
+        return self._arith(jnp.add, o, swap=True)
+
+    def __sub__(self, o: Any) -> Any:
+        return self._arith(jnp.subtract, o)
+
+    def __rsub__(self, o: Any) -> Any:
+        return self._arith(jnp.subtract, o, swap=True)
+
+    def __mul__(self, o: Any) -> Any:
+        return self._arith(jnp.multiply, o)
+
+    def __rmul__(self, o: Any) -> Any:
+        return self._arith(jnp.multiply, o, swap=True)
+
+    def __truediv__(self, o: Any) -> Any:
+        return self._arith(jnp.true_divide, o)
+
+    def __rtruediv__(self, o: Any) -> Any:
+        return self._arith(jnp.true_divide, o, swap=True)
+
+    def __neg__(self) -> TracedScalar:
+        return TracedScalar(-self.x, self.reads)
+
     def __bool__(self) -> bool:
         return self.reads.decide(self.x != 0)
 

@@ -1,7 +1,8 @@
 """Lightning's loader arrangements and logging reductions through ``from_lightning``, each
 against plain Lightning: several validation/test/predict loaders (``dataloader_idx``), a dict
-of training loaders, ``self.log(reduce_fx=...)``, and accumulated batches whose ``mask``
-counts differ."""
+of training loaders, ``self.log(reduce_fx=...)``, accumulated batches whose ``mask``
+counts differ, values logged as ``.item()``/numpy numbers, and step outputs appended to lists
+for an epoch-end hook."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -213,3 +215,72 @@ def test_accumulated_batches_weigh_equally_whatever_their_mask(tmp_path: Path) -
     plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
     for name, value in plain.items():
         torch.testing.assert_close(ported[name], value, rtol=1e-5, atol=1e-6)
+
+
+class ItemLogs(Classifier):
+    """Values logged as Python numbers: ``tensor.item()`` (and arithmetic on it), numpy."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = F.cross_entropy(out, y)
+        self.log("acc", (out.argmax(1) == y).sum().item() / len(y))
+        self.log("loss_item", loss.item(), prog_bar=True)
+        self.log("half", np.float32(0.5))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_acc", 1.0 - (self(x).argmax(1) != y).float().mean().item())
+
+
+def test_item_and_numpy_values_log_as_plain_lightning(tmp_path: Path) -> None:
+    """Before: ``self.log("acc", t.item())`` in a traced step was refused ("got a
+    TracedScalar"), a numpy scalar too."""
+    runs = _both(ItemLogs, tmp_path, _loader(), _loader(50))
+    _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
+
+
+class StepOutputs(Classifier):
+    """Lightning 2's pattern for epoch-end aggregation: steps append to lists on ``self``."""
+
+    def __init__(self, in_training: bool = False) -> None:
+        super().__init__()
+        self.in_training = in_training
+        self.training_step_outputs: list[torch.Tensor] = []
+        self.validation_step_outputs: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.in_training:
+            self.training_step_outputs.append(loss.detach())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        out = self(x)
+        correct = (out.argmax(1) == y).sum()
+        self.validation_step_outputs.append({"loss": F.cross_entropy(out, y), "n": correct})
+
+    def on_validation_epoch_end(self) -> None:
+        outs = self.validation_step_outputs
+        self.log("val_mean", torch.stack([o["loss"] for o in outs]).mean())
+        self.log("val_correct", sum(o["n"] for o in outs).float())
+        self.log("val_batches", float(len(outs)))
+        outs.clear()
+
+
+def test_validation_outputs_appended_to_a_list_reach_the_epoch_end_hook(tmp_path: Path) -> None:
+    """Before: the traced step appended torchax tensors that failed in the epoch-end hook
+    ("torchax Tensors can only do math within the torchax environment"). Now each batch's
+    values are appended on the host, as in plain Lightning."""
+    runs = _both(StepOutputs, tmp_path, _loader(), _loader(100, 25))
+    _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
+    assert runs["jax"][0].callback_metrics["val_batches"] == 4
+    assert runs["jax"][1].port.module.validation_step_outputs == []
+
+
+def test_appending_in_a_compiled_training_step_is_refused_with_the_fix(tmp_path: Path) -> None:
+    module = JaxModule.from_lightning(StepOutputs(in_training=True), print_summary=False)
+    with pytest.raises(ConfigError, match=r"appends to self.training_step_outputs.*on_epoch=True"):
+        _trainer(tmp_path).fit(module, _loader())

@@ -27,10 +27,12 @@ from torchmetrics import Metric
 
 from jaxcore import TOTAL, ModelFns
 from torchshell._embedding import EmbeddingChecks
+from torchshell._torch_patterns import TracedScalar
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell.torch_model import TorchTracer
 
 __all__ = [
+    "APPENDED_KEY",
     "HOOKS",
     "METRIC_KEY",
     "LightningPort",
@@ -124,6 +126,27 @@ def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any],
     metric._computed = None
     if call.forward:
         metric._forward_cache = torch.tensor(np.array(host[f"{METRIC_KEY}{i}/value"]))  # type: ignore[assignment]
+
+
+APPENDED_KEY = "~appended"  # in an evaluation step's logs: {list attribute: [values]}
+
+
+def _lists(module: torch.nn.Module) -> dict[str, int]:
+    """The module's own list attributes and their lengths (``self.validation_step_outputs``)."""
+    return {name: len(v) for name, v in vars(module).items() if isinstance(v, list)}
+
+
+def _take_appended(module: torch.nn.Module, lengths: dict[str, int]) -> dict[str, list[Any]]:
+    """What a traced hook appended to the module's lists, removed from them (tracers must not
+    outlive the trace); the host appends their values after each step (Lightning 2's
+    ``self.validation_step_outputs.append(loss)`` pattern)."""
+    taken = {}
+    for name, n in lengths.items():
+        items = getattr(module, name, None)
+        if isinstance(items, list) and len(items) > n:
+            taken[name] = [item.x if isinstance(item, TracedScalar) else item for item in items[n:]]
+            del items[n:]
+    return taken
 
 
 def hook_key(hook: str, dataloader_idx: int | None = None) -> str:
@@ -314,10 +337,16 @@ class LightningPort:
             rank_zero_only: bool = False,
         ) -> None:
             metric = None
+            if isinstance(value, TracedScalar):  # ``loss.item()``: the traced value itself
+                value = value.x
+            elif isinstance(value, np.number | np.ndarray) and np.size(value) == 1:
+                value = float(value)
             if isinstance(value, Metric) and hook in _METRIC_HOOKS:
                 metric = _path_of(self.module, value)
                 value = cached.get(metric, 0.0)  # its batch value (forward), as Lightning logs
-            elif isinstance(value, Mapping) or not isinstance(value, (torch.Tensor, int, float)):
+            elif isinstance(value, Mapping) or not isinstance(
+                value, (torch.Tensor, jax.Array, int, float)
+            ):
                 raise ConfigError(
                     f"self.log({name!r}, ...) in {hook} got a {type(value).__name__}: a "
                     "traced step logs tensors or numbers (torchmetrics objects keep state "
@@ -512,12 +541,30 @@ class LightningPort:
                 self.embeddings.watching(b),
                 torch.autocast("cpu", enabled=False),
             ):
-                out = getattr(self.module, hook)(b, 0, *extra)
-            return out, [value for _, value in records], [states for _, states in calls]
+                lists = _lists(self.module)
+                try:
+                    out = getattr(self.module, hook)(b, 0, *extra)
+                finally:
+                    appended = _take_appended(self.module, lists)
+            return (
+                out,
+                [value for _, value in records],
+                [states for _, states in calls],
+                appended,
+            )
 
-        (out, values, states), new_state = self.tracer.call(
+        (out, values, states, appended), new_state = self.tracer.call(
             fn, params, model_state, [batch], rng, train
         )
+        if appended and hook == "training_step":
+            names = ", ".join(f"self.{name}" for name in appended)
+            raise ConfigError(
+                f"{type(self.module).__name__}.training_step appends to {names}: a compiled "
+                "training step runs on the device, so the values it appends would never reach "
+                "the list. Fix: log them with self.log(name, value, on_epoch=True) (Lightning "
+                "then reports the epoch's exact mean, or sum/max/min with reduce_fx=) and read "
+                "trainer.callback_metrics in on_train_epoch_end."
+            )
         specs: dict[str, LogSpec] = {}
         logs: dict[str, jax.Array] = {}
         for (spec, _), value in zip(records, values, strict=True):
@@ -531,6 +578,8 @@ class LightningPort:
             specs[spec.name], logs[spec.name] = spec, array.reshape(())
         for i, arrays in enumerate(states):  # a metric's batch states, for the host
             logs |= {f"{METRIC_KEY}{i}/{k}": jnp.asarray(v) for k, v in arrays.items()}
+        if appended:  # the evaluation step's outputs kept in lists: appended on the host
+            logs[APPENDED_KEY] = appended
         self.specs[hook_key(hook, dataloader_idx)] = specs
         self.metric_calls[hook_key(hook, dataloader_idx)] = [call for call, _ in calls]
         return out, logs, new_state

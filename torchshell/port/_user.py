@@ -24,7 +24,13 @@ import jaxcore
 from jaxcore import TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._errors import ConfigError
-from torchshell.port._trace import METRIC_KEY, LogSpec, add_metric_states, hook_key
+from torchshell.port._trace import (
+    APPENDED_KEY,
+    METRIC_KEY,
+    LogSpec,
+    add_metric_states,
+    hook_key,
+)
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 
@@ -215,6 +221,8 @@ class UserEvaluation:
         key = hook_key(hook, dataloader_idx)
         for i, call in enumerate(self.port.metric_calls[key]):  # torchmetrics objects
             add_metric_states(user.get_submodule(call.path), call, host, i)
+        for name, items in host.get(APPENDED_KEY, {}).items():  # self.<list>.append(...)
+            getattr(user, name).extend(jax.tree.map(lambda v: torch.from_numpy(np.array(v)), items))
         for name, spec in self.port.specs[key].items():
             value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
             self.log(
