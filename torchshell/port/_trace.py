@@ -27,8 +27,8 @@ from torchmetrics import Metric
 
 from jaxcore import TOTAL, ModelFns
 from torchshell._embedding import EmbeddingChecks
-from torchshell._torch_patterns import TracedScalar
 from torchshell._errors import ConfigError, TorchModelError
+from torchshell._torch_patterns import TracedScalar
 from torchshell.torch_model import TorchTracer
 
 __all__ = [
