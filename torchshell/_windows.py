@@ -166,6 +166,7 @@ class WindowPart:
             or t.flags.accumulate != 1
             or t.accum_steps != 1
             or jax.process_count() != 1
+            or t._outputs_wanted()  # a callback reads each step's loss
         ):
             self._k = 1  # nothing to measure: these run one step per call
             return False

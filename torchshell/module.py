@@ -16,6 +16,7 @@ import optax
 import torch
 from flax import nnx
 from jax.sharding import Mesh
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import bridge
 import jaxcore
@@ -336,7 +337,31 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         window, self._window = self._window, []
         return self._stack(window), window[0], self._global_rows(window[0]), len(window)
 
-    def training_step(self, batch: Any, batch_idx: int) -> None:
+    def _outputs_wanted(self) -> bool:
+        """A user callback overrides ``on_train_batch_end``: it may read ``outputs["loss"]``.
+
+        (Lightning's and coreshell's own callbacks never read the outputs.)
+        """
+        if self._trainer is None:
+            return False
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
+        key = (id(self._trainer), len(callbacks))
+        if self.__dict__.get("_wants_outputs", (None,))[0] != key:  # once per fit, not step
+            wanted = any(
+                not type(cb).__module__.startswith(("lightning.", "torchshell."))
+                and is_overridden("on_train_batch_end", cb, parent=L.Callback)
+                for cb in callbacks
+            )
+            self.__dict__["_wants_outputs"] = (key, wanted)
+        return bool(self.__dict__["_wants_outputs"][1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
+        """Runs the compiled step (or buffers the batch, see :mod:`torchshell._windows`).
+
+        Returns ``{"loss": loss}`` (waiting for the step) only when a user callback reads
+        ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the
+        loop never waits for the device.
+        """
         t0 = time.perf_counter()
         batch = self._prepare(batch)
         if self.nan_policy == "stop":
@@ -359,7 +384,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             window = self._window_batch(batch)
             if window is None:
                 self.train_log.compute += time.perf_counter() - t0
-                return
+                return self._outputs(self._last_metrics or None)  # (the last window's)
             jbatch, one, rows_, micro = window
             steps = 1
         else:
@@ -383,6 +408,12 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
         if self.trainer.global_step // every > before // every:
             self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
+        return self._outputs(metrics)
+
+    def _outputs(self, metrics: Mapping[str, jax.Array] | None) -> dict[str, torch.Tensor] | None:
+        if metrics is None or not self._outputs_wanted():
+            return None
+        return {"loss": torch.tensor(float(np.ravel(jax.device_get(metrics["loss"]))[-1]))}
 
     def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step for this call (a short last accumulation window has its own)."""

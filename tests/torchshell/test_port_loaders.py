@@ -284,3 +284,42 @@ def test_appending_in_a_compiled_training_step_is_refused_with_the_fix(tmp_path:
     module = JaxModule.from_lightning(StepOutputs(in_training=True), print_summary=False)
     with pytest.raises(ConfigError, match=r"appends to self.training_step_outputs.*on_epoch=True"):
         _trainer(tmp_path).fit(module, _loader())
+
+
+class LossSeen(L.Callback):
+    """A team's callback reading ``outputs["loss"]`` in ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_a_user_callback_reads_each_steps_loss_from_outputs(tmp_path: Path) -> None:
+    """Before: every JaxModule returned nothing from training_step, so a callback's
+    ``outputs["loss"]`` was a KeyError. Now, with such a callback (and only then: it waits for
+    each step), the loss of each step, equal to plain Lightning's; K=1 (no windows)."""
+    seen = {}
+    for mode in ("plain", "jax"):
+        callback = LossSeen()
+        user = Classifier()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = _trainer(tmp_path / mode, max_steps=4)
+        trainer.callbacks.append(callback)
+        trainer.fit(module, _loader())
+        seen[mode] = callback.losses
+    assert seen["jax"] == pytest.approx(seen["plain"], rel=1e-5) and len(seen["jax"]) == 4
+
+    import jaxcore
+    from jaxcore.models.digits import MLP
+
+    flax = JaxModule(MLP(features=(8,)), jaxcore.softmax_cross_entropy, jaxcore.make_optimizer())
+    callback = LossSeen()
+    trainer = _trainer(tmp_path / "flax", max_steps=30, callbacks=[callback])
+    x = torch.randn(64 * 30, 64, generator=torch.Generator().manual_seed(0))
+    trainer.fit(flax, DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), 64))
+    assert len(callback.losses) == 30 and flax._k == 1  # every step's own loss, no window
+    assert callback.losses[-1] < callback.losses[0]
