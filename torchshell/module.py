@@ -373,7 +373,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             if metrics is not None and self.trainer.global_step % every == 0:
                 self._queue_log(metrics, self._global_rows(batch))
             self.train_log.compute += time.perf_counter() - t0
-            return
+            return None  # (windows: no callback reads the outputs, see _outputs_wanted)
         if m > 1:
             if self.steps_per_call > 1 or self.accum_steps > 1:
                 raise ConfigError(
