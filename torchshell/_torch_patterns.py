@@ -82,6 +82,7 @@ class Reads:
         self.stop_after: int | None = None
         self.consumed: set[int] = set()  # step: the read numbers that took a static value
         self.decisions: tuple[bool, ...] = ()
+        self.probe_path = True  # probe: the outcome taken at every traced bool
         self.k = 0  # reads so far in this run
         self.d = 0  # decisions so far in this run
 
@@ -126,8 +127,8 @@ class Reads:
 
     def decide(self, pred: Any) -> bool:
         """The outcome of a traced bool along this run's decisions, or :class:`Branch`."""
-        if self.mode == "probe":
-            return True  # a probe only reads host values; any path leads to them
+        if self.mode == "probe":  # a probe only reads host values; any path leads to them
+            return self.probe_path  # (unless a check raises on it: TorchTracer.probe)
         if self.d < len(self.decisions):
             self.d += 1
             return self.decisions[self.d - 1]
@@ -382,11 +383,56 @@ def explore(run: Callable[[tuple[bool, ...]], Any], max_paths: int, where: str) 
                     "torch.where (e.g. x = torch.where(keep, layer(x), x)), or raise "
                     "max_branches."
                 ) from None
-            return jax.lax.cond(
-                b.pred, lambda: go((*decisions, True)), lambda: go((*decisions, False))
-            )
+            try:
+                return jax.lax.cond(
+                    b.pred, lambda: go((*decisions, True)), lambda: go((*decisions, False))
+                )
+            except (ValueError, RuntimeError) as err:
+                if not is_check(err):
+                    raise
+                return _checked(go, decisions, b.pred, err)
 
     return go(())
+
+
+def is_check(err: BaseException) -> bool:
+    """A ``raise ValueError/RuntimeError`` of the traced code (not ours, not JAX's)."""
+    return not isinstance(err, TorchModelError) and not type(err).__module__.startswith(
+        ("jax", "jaxlib", "torchshell", "torchax")
+    )
+
+
+def _checked(
+    go: Callable[[tuple[bool, ...]], Any],
+    decisions: tuple[bool, ...],
+    pred: Any,
+    original: BaseException,
+) -> Any:
+    """A traced bool whose one outcome raises (a check: ``if n >= limit: raise ValueError``).
+
+    The step takes the other outcome, and raises the check's error when the traced value
+    says so, as torch would (a host callback: the step fails with that message).
+    """
+    outcomes: dict[bool, Any] = {}
+    errors: dict[bool, BaseException] = {}
+    for taken in (True, False):
+        try:
+            outcomes[taken] = go((*decisions, taken))
+        except (ValueError, RuntimeError) as raised:
+            if not is_check(raised):
+                raise
+            errors[taken] = raised
+    if len(errors) != 1:  # both outcomes raise (or neither alone): as traced in the cond
+        raise errors.get(True) or original
+    fails, check = next(iter(errors.items()))
+    message = f"{type(check).__name__}: {check}"
+    jax.debug.callback(functools.partial(_raise_check, message), pred if fails else ~pred)
+    return outcomes[not fails]
+
+
+def _raise_check(message: str, failed: Any) -> None:
+    if bool(failed):
+        raise ValueError(f"A check in the traced torch code failed on this batch: {message}")
 
 
 def encode(values: Sequence[int]) -> tuple[int, ...]:

@@ -275,11 +275,19 @@ class TorchTracer:
         reads = self.reads
         reads.mode, reads.stop_after = "probe", last
         try:
-            self._abstract(fn, args, train)
-        except patterns.ProbeDone:
-            pass
+            for path in (True, False):  # the other outcome when a check raises on the first
+                reads.probe_path = path
+                try:
+                    self._abstract(fn, args, train)
+                except patterns.ProbeDone:
+                    pass
+                except (ValueError, RuntimeError) as err:
+                    if not patterns.is_check(err) or not path:
+                        raise
+                    continue
+                break
         finally:
-            reads.mode, reads.stop_after = "step", None
+            reads.mode, reads.stop_after, reads.probe_path = "step", None, True
         return list(reads.values)
 
     def host_reads(

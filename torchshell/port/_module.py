@@ -457,7 +457,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         return self._placed(batch, stacked=False)
 
     def _sample(self, batch: Any) -> Any:
-        return self._placed(batch, stacked=False)
+        return self.port.specialise("training_step", self._placed(batch, stacked=False), True)
 
     def _global_rows(self, batch: Any) -> int:
         """Rows of a batch: its fields' common leading size, else Lightning's batch size (the
@@ -473,6 +473,15 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 "compiled step without changing the loss. Fix: DataLoader(drop_last=True) for "
                 "training, or a dataset size divisible by the batch size."
             )
+        self.port.specialise("training_step", self._placed(batches[0], stacked=False), True)
+        if self.port.needs_statics("training_step"):
+            raise ConfigError(
+                f"accumulate_grad_batches={self.flags.accumulate}: "
+                f"{type(self.port.module).__name__}.training_step reads batch values in Python "
+                "(e.g. int(lengths.max())), which differ between the accumulated batches of "
+                "one compiled step. Fix: accumulate_grad_batches=1 with a larger batch, or "
+                "keep those values tensors (masks instead of lengths.max())."
+            )
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *batches)
         return self._placed(stacked, stacked=True)
 
@@ -482,7 +491,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 "steps_per_call > 1 is not supported by JaxModule.from_lightning (the user's "
                 "batches are not re-stacked). Fix: use steps_per_call=1."
             )
-        return self._placed(batch, stacked=False), batch, self._global_rows(batch)
+        jbatch = self.port.specialise("training_step", self._placed(batch, stacked=False), True)
+        return jbatch, batch, self._global_rows(batch)
 
     def _batch_check(self, batch: Any) -> Any:
         return contextlib.nullcontext()  # the traced step names its own errors

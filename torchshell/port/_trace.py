@@ -26,9 +26,11 @@ import torch
 from torchmetrics import Metric
 
 from jaxcore import TOTAL, ModelFns
+from torchshell import _torch_patterns as patterns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell._torch_patterns import TracedScalar
+from torchshell._torch_static import STATIC_KEY
 from torchshell.torch_model import TorchTracer
 
 __all__ = [
@@ -129,6 +131,8 @@ def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any],
 
 
 APPENDED_KEY = "~appended"  # in an evaluation step's logs: {list attribute: [values]}
+USER_KEY = "~batch"  # a batch with static values (LightningPort.specialise): the user's batch
+_MAX_STATIC = 8  # distinct static values before a warning
 
 
 def _lists(module: torch.nn.Module) -> dict[str, int]:
@@ -298,6 +302,9 @@ class LightningPort:
             )
         self.module = module
         self.tracer = TorchTracer(module)
+        # per hook key: the numbers and types of the batch scalars it reads (specialise)
+        self.statics: dict[str, tuple[list[int], list[type]]] = {}
+        self._static_seen: dict[str, set[tuple[int, ...]]] = {}
         self.embeddings = EmbeddingChecks()
         self.embeddings.install(self.tracer.env)
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
@@ -529,33 +536,19 @@ class LightningPort:
         With ``dataloader_idx`` (several evaluation loaders): ``module.<hook>(batch, 0,
         dataloader_idx)``; what it logs is kept under :func:`hook_key`.
         """
-        extra = () if dataloader_idx is None else (dataloader_idx,)
         records: list[tuple[LogSpec, Any]] = []
         calls: list[tuple[MetricCall, dict[str, Any]]] = []
-
-        def fn(b: Any) -> Any:
-            # Lightning's precision plugin may have entered torch.autocast around our
-            # training_step; the traced step's dtype is the JAX step's, not autocast's.
-            with (
-                self._capture(hook, records, calls),
-                self.embeddings.watching(b),
-                torch.autocast("cpu", enabled=False),
-            ):
-                lists = _lists(self.module)
-                try:
-                    out = getattr(self.module, hook)(b, 0, *extra)
-                finally:
-                    appended = _take_appended(self.module, lists)
-            return (
-                out,
-                [value for _, value in records],
-                [states for _, states in calls],
-                appended,
+        fn = self._hook_fn(hook, dataloader_idx, records, calls)
+        statics = None
+        if isinstance(batch, Mapping) and USER_KEY in batch:  # see specialise()
+            used, types = self.statics[hook_key(hook, dataloader_idx)]
+            found = patterns.decode(batch[STATIC_KEY].shape[1:])
+            statics = {n: t(v) for n, t, v in zip(used, types, found, strict=True)}
+            batch = batch[USER_KEY]
+        with self.tracer.static_values(statics):
+            (out, values, states, appended), new_state = self.tracer.call(
+                fn, params, model_state, [batch], rng, train
             )
-
-        (out, values, states, appended), new_state = self.tracer.call(
-            fn, params, model_state, [batch], rng, train
-        )
         if appended and hook == "training_step":
             names = ", ".join(f"self.{name}" for name in appended)
             raise ConfigError(
@@ -583,6 +576,89 @@ class LightningPort:
         self.specs[hook_key(hook, dataloader_idx)] = specs
         self.metric_calls[hook_key(hook, dataloader_idx)] = [call for call, _ in calls]
         return out, logs, new_state
+
+    def _hook_fn(
+        self,
+        hook: str,
+        dataloader_idx: int | None,
+        records: list[tuple[LogSpec, Any]],
+        calls: list[tuple[MetricCall, dict[str, Any]]],
+    ) -> Any:
+        """``module.<hook>(batch, 0[, dataloader_idx])`` with ``self.log`` and the metrics
+        captured, to run under the tracer: ``(out, logged, metric states, appended)``."""
+        extra = () if dataloader_idx is None else (dataloader_idx,)
+
+        def fn(b: Any) -> Any:
+            # Lightning's precision plugin may have entered torch.autocast around our
+            # training_step; the traced step's dtype is the JAX step's, not autocast's.
+            with (
+                self._capture(hook, records, calls),
+                self.embeddings.watching(b),
+                torch.autocast("cpu", enabled=False),
+            ):
+                lists = _lists(self.module)
+                try:
+                    out = getattr(self.module, hook)(b, 0, *extra)
+                finally:
+                    appended = _take_appended(self.module, lists)
+            return (
+                out,
+                [value for _, value in records],
+                [states for _, states in calls],
+                appended,
+            )
+
+        return fn
+
+    def specialise(
+        self, hook: str, batch: PyTree, train: bool, dataloader_idx: int | None = None
+    ) -> PyTree:
+        """The (concrete, placed) batch, plus the scalars the hook reads from it in Python.
+
+        A hook that reads a batch value as a Python number (torchaudio's ``Conformer``:
+        ``int(torch.max(lengths).item())``) needs it while the step compiles. The first
+        batch finds such reads (:meth:`TorchTracer.host_reads`); each batch's values are then
+        computed on the host (a trace up to the last read) and travel as the shape of an
+        empty array: ``{USER_KEY: batch, STATIC_KEY: ...}``, so the step compiles once per
+        distinct value (its ``recompiles``). Other hooks get their batch back unchanged.
+        """
+        key = hook_key(hook, dataloader_idx)
+        if key not in self.statics:
+            fn = self._hook_fn(hook, dataloader_idx, [], [])
+            found = self.tracer.host_reads(fn, [batch], train)
+            for n, v in found.items():
+                if not isinstance(v, bool | int):
+                    raise TorchModelError(
+                        f"{type(self.module).__name__}.{hook} reads a {type(v).__name__} "
+                        f"scalar from the batch in Python (read #{n}): only ints and bools can "
+                        "be specialised (one compiled step per value). Fix: keep that value a "
+                        "tensor (e.g. x / x.max() instead of x / x.max().item())."
+                    )
+            self.statics[key] = (sorted(found), [type(found[n]) for n in sorted(found)])
+        used, _ = self.statics[key]
+        if not used:
+            return batch
+        fn = self._hook_fn(hook, dataloader_idx, [], [])
+        read = self.tracer.probe(fn, [batch], train, used[-1])
+        values = tuple(int(read[n]) for n in used)
+        seen = self._static_seen.setdefault(key, set())
+        if values not in seen:
+            seen.add(values)
+            if len(seen) == _MAX_STATIC + 1:
+                warnings.warn(
+                    f"{type(self.module).__name__}.{hook} reads batch scalars in Python "
+                    f"(e.g. int(lengths.max())) that took {len(seen)} distinct values: each "
+                    "compiles the step again (compile/recompiles). Fix: pad the batches to a "
+                    "few lengths in the collate (buckets), or keep those values tensors.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        marker = np.zeros((0, *patterns.encode(values)), np.int8)
+        return {USER_KEY: batch, STATIC_KEY: jax.device_put(marker)}
+
+    def needs_statics(self, hook: str) -> bool:
+        """Whether ``hook`` reads batch scalars in Python (after :meth:`specialise`)."""
+        return bool(self.statics.get(hook_key(hook), ([], []))[0])
 
     def loss_of(self, out: Any) -> jax.Array:
         """The loss a ``training_step`` returned (a tensor, or a dict holding ``"loss"``)."""

@@ -214,7 +214,8 @@ class UserEvaluation:
                     "`dataloader_idx=0` to its signature (Lightning passes each loader's index)."
                 )
         state = self.init_state(batch)
-        out, logs = self._eval_step_for(hook, dataloader_idx)(state, self._to_jax(batch))
+        jbatch = self.port.specialise(hook, self._to_jax(batch), False, dataloader_idx)
+        out, logs = self._eval_step_for(hook, dataloader_idx)(state, jbatch)
         n = self._leading(batch)
         host = jax.device_get(logs)
         user = self.port.module

@@ -1,0 +1,121 @@
+"""torchaudio inside a team's LightningModule, through ``from_lightning``, against plain
+Lightning: a ``Conformer`` fed lengths (it reads ``int(lengths.max())`` in Python: a batch
+scalar, one compiled step per value) and SpecAugment masks in ``training_step`` (torchaudio
+checks a traced value and raises on one outcome)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+import torchaudio
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchshell import JaxModule
+
+
+class Clips(Dataset):
+    """Feature sequences of 20-36 frames and a class."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(20 + i % 17, 40, generator=g), i % 4
+
+
+def collate(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    """Padded to the batch's longest clip, with the lengths (as torchaudio models take them)."""
+    lengths = torch.tensor([x.shape[0] for x, _ in items])
+    longest = int(lengths.max())
+    features = torch.stack([F.pad(x, (0, 0, 0, longest - x.shape[0])) for x, _ in items])
+    return {"features": features, "lengths": lengths, "label": torch.tensor([y for _, y in items])}
+
+
+def _loader() -> DataLoader:
+    return DataLoader(Clips(), batch_size=12, collate_fn=collate)
+
+
+class ConformerClassifier(L.LightningModule):
+    def __init__(self, spec_augment: bool = False, loud: float | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torchaudio.models.Conformer(
+            input_dim=40, num_heads=2, ffn_dim=32, num_layers=1, depthwise_conv_kernel_size=3
+        )
+        self.head = nn.Linear(40, 4)
+        self.mask = torchaudio.transforms.FrequencyMasking(8) if spec_augment else None
+        self.loud = loud
+
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out, lengths = self.encoder(features, lengths)
+        valid = (torch.arange(out.shape[1])[None] < lengths[:, None]).float()[..., None]
+        return self.head((out * valid).sum(1) / valid.sum(1))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch["features"]
+        if self.loud is not None and (x.abs() > self.loud).any():
+            raise ValueError(f"a frame louder than {self.loud}: check the feature scaling")
+        if self.mask is not None:
+            x = self.mask(x.transpose(1, 2)).transpose(1, 2)
+        loss = F.cross_entropy(self(x, batch["lengths"]), batch["label"])
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch["features"], batch["lengths"])
+        self.log("val_loss", F.cross_entropy(logits, batch["label"]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit(module: L.LightningModule, tmp_path: Path) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, _loader(), _loader())
+    return trainer
+
+
+def test_a_torchaudio_conformer_module_trains_as_plain_lightning(tmp_path: Path) -> None:
+    """Before: "needs a tensor's value in Python" at the Conformer's
+    ``int(torch.max(lengths).item())``. Now the read is found on the first batch and handed
+    to the step as a static value (one compilation per distinct longest clip)."""
+    plain_module = ConformerClassifier()
+    plain = _fit(plain_module, tmp_path / "plain")
+    user = ConformerClassifier()
+    module = JaxModule.from_lightning(user, print_summary=False)
+    ported = _fit(module, tmp_path / "jax")
+    for name in ("loss", "val_loss"):
+        assert float(ported.callback_metrics[name]) == pytest.approx(
+            float(plain.callback_metrics[name]), rel=1e-4
+        )
+    reference = plain_module.state_dict()
+    for name, value in user.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=2e-5)
+    assert module._train_step.recompiles >= 1  # batches of several longest lengths
+
+
+def test_spec_augment_in_training_step_trains_and_a_failing_check_raises(tmp_path: Path) -> None:
+    """torchaudio's masking raises ``ValueError`` on one outcome of a traced comparison
+    (never taken in torch). Before: that error at trace time. Now the step takes the other
+    outcome and raises the check's own error if a batch ever takes it, as torch would: here a
+    team's own check (``if (x.abs() > limit).any(): raise``) on data that fails it."""
+    trainer = _fit(JaxModule.from_lightning(ConformerClassifier(True), print_summary=False), tmp_path)
+    assert torch.isfinite(trainer.callback_metrics["loss"])
+    checked = JaxModule.from_lightning(ConformerClassifier(loud=3.0), print_summary=False)
+    with pytest.raises(Exception, match="a frame louder than 3.0: check the feature scaling"):
+        _fit(checked, tmp_path / "loud")
