@@ -42,6 +42,18 @@ def _concrete(v: Any) -> Any:
 STATIC_KEY = "~torchshell.static"  # sorts after every plain field name
 
 
+def check_static_reads(values: Mapping[int, Any], where: str) -> None:
+    """Refuses a host read that is not an int or a bool (it cannot be a static value)."""
+    for n, v in values.items():
+        if not isinstance(v, bool | int):
+            raise TorchModelError(
+                f"{where} reads a {type(v).__name__} scalar from the batch in Python "
+                f"(read #{n}): only ints and bools can be specialised (one compiled step per "
+                "value). Fix: keep that value a tensor (e.g. x / x.max() instead of "
+                "x / x.max().item())."
+            )
+
+
 class StaticSpec:
     """The host reads of one traced forward, per train flag, and the values seen so far."""
 
@@ -63,14 +75,7 @@ class StaticSpec:
 
     def learn(self, train: bool, values: Mapping[int, Any]) -> None:
         """Keeps the read numbers (and Python types) that need a static value."""
-        for n, v in values.items():
-            if not isinstance(v, bool | int):
-                raise TorchModelError(
-                    f"The forward reads a {type(v).__name__} scalar from the batch in Python "
-                    f"(read #{n}, {'train' if train else 'eval'} mode): only ints and bools "
-                    "can be specialised (one compiled step per value). Fix: keep that value a "
-                    "tensor (e.g. x / x.max() instead of x / x.max().item())."
-                )
+        check_static_reads(values, f"The forward ({'train' if train else 'eval'} mode)")
         self.used[train] = sorted(values)
         self.types[train] = [type(values[n]) for n in self.used[train]]
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from tests.helpers import quiet_trainer
 from torchshell import JaxModule
 from torchshell._errors import ConfigError
 
@@ -89,14 +90,7 @@ class Reductions(Classifier):
 
 
 def _trainer(tmp_path: Path, **flags: Any) -> L.Trainer:
-    return L.Trainer(
-        **(flags or {"max_epochs": 2}),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    return quiet_trainer(default_root_dir=tmp_path, **(flags or {"max_epochs": 2}))
 
 
 def _both(

@@ -30,7 +30,7 @@ from torchshell import _torch_patterns as patterns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell._torch_patterns import TracedScalar
-from torchshell._torch_static import STATIC_KEY
+from torchshell._torch_static import STATIC_KEY, check_static_reads
 from torchshell.torch_model import TorchTracer
 
 __all__ = [
@@ -626,14 +626,7 @@ class LightningPort:
         if key not in self.statics:
             fn = self._hook_fn(hook, dataloader_idx, [], [])
             found = self.tracer.host_reads(fn, [batch], train)
-            for n, v in found.items():
-                if not isinstance(v, bool | int):
-                    raise TorchModelError(
-                        f"{type(self.module).__name__}.{hook} reads a {type(v).__name__} "
-                        f"scalar from the batch in Python (read #{n}): only ints and bools can "
-                        "be specialised (one compiled step per value). Fix: keep that value a "
-                        "tensor (e.g. x / x.max() instead of x / x.max().item())."
-                    )
+            check_static_reads(found, f"{type(self.module).__name__}.{hook}")
             self.statics[key] = (sorted(found), [type(found[n]) for n in sorted(found)])
         used, _ = self.statics[key]
         if not used:
@@ -681,9 +674,10 @@ class LightningPort:
 
         def init(rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:
             t = self.tracer
-            jax.eval_shape(
-                lambda b: self.apply(t.params0, t.state0, b, jax.random.key(0), True), batch
-            )
+            if hook_key("training_step") not in self.statics:  # (else traced by specialise)
+                jax.eval_shape(
+                    lambda b: self.apply(t.params0, t.state0, b, jax.random.key(0), True), batch
+                )
             return dict(t.params0), dict(t.state0)
 
         return ModelFns(init, self.apply)
