@@ -99,18 +99,23 @@ def test_train_a_torch_module_from_the_config(tmp_path: Path):
 
 
 def test_recipes_compose():
-    """recipe=NAME picks data and model; data=NAME alone brings its model; a pair of two
-    recipes is refused naming both and the fix."""
+    """recipe=NAME picks data and model; data=NAME alone brings its model and its training
+    length; a pair of two recipes is refused naming both and the fix."""
     from torchshell.app.config import compose_config, typed
 
-    for choice, data, model in [
-        (["recipe=digits"], "DigitsDataModule", "digits.MLP"),
-        (["recipe=spoken_digits"], "SpokenDigitsDataModule", "SpokenDigitsEncoder"),
-        (["data=digits"], "DigitsDataModule", "digits.MLP"),
-        ([], "SpokenDigitsDataModule", "SpokenDigitsEncoder"),
+    for choice, data, model, steps, schedule in [
+        (["recipe=digits"], "DigitsDataModule", "digits.MLP", 600, "constant"),
+        (["recipe=spoken_digits"], "SpokenDigitsDataModule", "SpokenDigitsEncoder", 1000, "cosine"),
+        (["data=digits"], "DigitsDataModule", "digits.MLP", 600, "constant"),
+        ([], "SpokenDigitsDataModule", "SpokenDigitsEncoder", 1000, "cosine"),
+        (["trainer.max_steps=50"], "SpokenDigitsDataModule", "SpokenDigitsEncoder", 50, "cosine"),
+        (["trainer=default"], "SpokenDigitsDataModule", "SpokenDigitsEncoder", 600, "constant"),
     ]:
         cfg = typed(compose_config(choice))
         assert cfg.data["_target_"].endswith(data) and cfg.model.flax["_target_"].endswith(model)
+        # the training length and schedule follow the data too; the cosine spans the steps
+        assert (cfg.trainer.max_steps, cfg.optim.schedule) == (steps, schedule)
+        assert cfg.optim.total_steps == (steps if schedule == "cosine" else 0)
     with pytest.raises(ConfigError, match=r"data=digits and model=spoken_digits .* recipe=digits"):
         typed(compose_config(["data=digits", "model=spoken_digits"]))
 

@@ -17,6 +17,7 @@ import bridge
 import jaxcore
 from jaxcore.models.spoken_digits import SpokenDigitsEncoder
 from torchshell import JaxModule
+from torchshell.data._augment import BANK_ROWS, BANK_SAMPLES, BANK_USES
 from torchshell.data._spoken_digits_build import (
     HELD_OUT_VARIANTS,
     _plan,
@@ -92,6 +93,22 @@ def test_features_shapes_dtypes_and_buckets(tiny_set: Path):
     assert torch.equal(test_ds[0]["features"], test_ds[0]["features"])
     train_ds = dm.datasets["train"]
     assert not torch.equal(train_ds[0]["features"], train_ds[0]["features"])
+
+
+def test_training_clips_are_cropped_to_train_frames_evaluation_clips_are_not(tiny_set: Path):
+    """A clip longer than ``train_frames`` would pad its whole training batch to the next
+    bucket: training crops it; validation and test keep the clip's every frame."""
+    dm = SpokenDigitsDataModule(
+        str(tiny_set.parent), num_workers=0, train_frames=20, buckets=(20, 160), **TINY
+    )
+    dm.setup("fit")
+    train = dm.datasets["train"]
+    lengths = [item["features"].shape[0] for item in train.__getitems__(list(range(8)))]
+    assert max(lengths) == 20  # every tiny clip is longer than 20 frames once trimmed
+    test = dm.datasets["test"]
+    assert all(test[i]["features"].shape[0] > 20 for i in range(4))
+    with pytest.raises(SpokenDigitsDataError, match="train_frames=200: expected 1 to the"):
+        SpokenDigitsDataModule(str(tiny_set.parent), train_frames=200, **TINY)
 
 
 def _encoder_and_params(features: torch.Tensor, mask: torch.Tensor):
@@ -187,6 +204,15 @@ def test_augmentation_changes_the_waveform_within_its_ranges(tiny_set: Path):
         measured = float(10 * torch.log10(wave.pow(2).mean() / noise_power))
         assert 10 <= d["snr_db"] <= 30 and abs(measured - d["snr_db"]) < 0.05
         assert d["lead"] > 0 and new[: d["lead"]].abs().max() > 0  # silence, then noise on it
+    # the noise is a stretch of a bank drawn once per BANK_USES rows' worth of clips; a clip
+    # longer than a bank row gets its own
+    assert quiet._bank is not None and quiet._bank.shape == (3 * BANK_ROWS, BANK_SAMPLES)
+    bank = quiet._bank
+    (long,), (d,) = quiet.waves([torch.randn(BANK_SAMPLES + 1) * 0.1], g)
+    assert long.shape[0] == BANK_SAMPLES + 1 + d["lead"] and quiet._bank is bank
+    quiet._bank_uses = BANK_USES * BANK_ROWS
+    quiet.waves(waves[:1], g)
+    assert quiet._bank is not bank and quiet._bank_uses == 1
     # features: mel warp and SpecAugment masks change them; whole bands/frames are zeroed
     feats = LogMel().many(waves)[0][None] + 1.0  # no zeros before masking
     masked = Augment(mel_warp=0.0).features(feats, g)

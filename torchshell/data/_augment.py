@@ -23,12 +23,16 @@ Validation and test clips get none of it (the data set applies it only with ``tr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torchaudio
 
 __all__ = ["Augment", "add_noise", "colored_noise", "speed_perturb", "warp_mel"]
+
+#: Samples per row of :class:`Augment`'s noise bank (4.1 s at 16 kHz, the FFT length a batch's
+#: own noise used to get), rows per noise colour, and noisy clips per row before a redraw.
+BANK_SAMPLES, BANK_ROWS, BANK_USES = 1 << 16, 16, 32
 
 
 def speed_perturb(wave: torch.Tensor, factor: float) -> torch.Tensor:
@@ -148,6 +152,8 @@ class Augment:
     time_masks: int = 2
     time_mask: int = 6
     sample_rate: int = 16_000
+    _bank: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _bank_uses: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from torchshell.data._spoken_digits_build import SpokenDigitsDataError
@@ -198,19 +204,38 @@ class Augment:
             fast = speed_perturb(batch, speed)
             for r, i in enumerate(rows):
                 out[i] = fast[r, : max(1, round(waves[i].shape[0] / speed))]
-        sizes = [out[i].shape[0] + int(d["lead"]) + int(d["trail"]) for i, d in enumerate(drawn)]
-        exps = torch.tensor([d["exponent"] for d in drawn])
-        noises = colored_noise(max(sizes), exps, g, rows=len(drawn))  # one FFT call
         for i, d in enumerate(drawn):
             wave = out[i] * 10 ** (d["gain_db"] / 20)
             power = float(wave.pow(2).mean())
             wave = torch.nn.functional.pad(wave, (int(d["lead"]), int(d["trail"])))
             if d["snr_db"] != float("inf"):
-                noise = noises[i, : sizes[i]]
+                noise = self._noise(wave.shape[0], d["exponent"], g)
                 noise = noise / noise.pow(2).mean().clamp(min=1e-20).sqrt()
                 wave = add_noise(wave, d["snr_db"], signal_power=power, noise=noise)
             out[i] = wave
         return out, drawn
+
+    def _noise(
+        self, length: int, exponent: float, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """``length`` samples of one colour's noise: a random stretch of a row of the bank.
+
+        The bank (:data:`BANK_ROWS` rows of :data:`BANK_SAMPLES` per exponent, one FFT call)
+        is drawn again every :data:`BANK_USES` batches of noisy clips: the FFT of every clip's
+        own noise was a third of a batch's augmentation time. Longer clips get their own.
+        """
+        if length > BANK_SAMPLES:
+            return colored_noise(length, exponent, generator)
+        if self._bank is None or self._bank_uses >= BANK_USES * BANK_ROWS:
+            exps = torch.tensor(self.noise_exponents, dtype=torch.float32)
+            rows = exps.repeat_interleave(BANK_ROWS)
+            self._bank = colored_noise(BANK_SAMPLES, rows, generator, rows=len(rows))
+            self._bank_uses = 0
+        self._bank_uses += 1
+        kind = list(self.noise_exponents).index(exponent)
+        row = kind * BANK_ROWS + int(torch.randint(BANK_ROWS, (), generator=generator))
+        start = int(torch.randint(BANK_SAMPLES - length + 1, (), generator=generator))
+        return self._bank[row, start : start + length]
 
     def features(
         self, features: torch.Tensor, generator: torch.Generator | None = None
