@@ -19,6 +19,9 @@ def make_schedule(
         >>> s = make_schedule(1e-3, schedule="cosine", warmup_steps=10, total_steps=100)
         >>> round(float(s(10)), 6)  # the peak, after warmup (float32)
         0.001
+        >>> s = make_schedule(1e-3, schedule="cosine", total_steps=100)
+        >>> [round(float(s(t)), 6) for t in (0, 50, 100)]
+        [0.001, 0.0005, 0.0]
     """
     if schedule not in _SCHEDULES:
         raise ConfigError(f"Unknown schedule {schedule!r}; expected one of {_SCHEDULES}.")
@@ -29,6 +32,8 @@ def make_schedule(
                 f"{total_steps}, warmup_steps={warmup_steps}. Fix: set optim.total_steps "
                 "(usually trainer.max_steps)."
             )
+        if not warmup_steps:  # optax logs about a zero-step warmup (absl INFO) otherwise
+            return optax.cosine_decay_schedule(lr, total_steps)
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, total_steps)
     if warmup_steps:
         return optax.join_schedules(
