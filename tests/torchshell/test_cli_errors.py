@@ -33,6 +33,12 @@ BAD_INPUTS = [
         ["data=digits and model=spoken_digits", "recipe=digits"],
     ),
     (
+        "75 a data module that does not take the recipe's fields",
+        ["train", *DIGITS, "data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule"],
+        2,
+        ["does not take ['batch_size', 'eval_batch_size'", "~data.val_fraction", "Fix:"],
+    ),
+    (
         "36 unknown loss",
         ["train", *DIGITS, "model.loss=masked_mean"],
         2,

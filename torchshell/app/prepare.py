@@ -121,6 +121,47 @@ def prepare_run(cfg: Config, *, compile_cache: bool = True) -> Prepared:
     return Prepared(cfg, distributed.is_main(), jax.device_count(), cache)
 
 
+def data_module_kwargs(fields: dict[str, Any], *, seed: int, batch_size: int) -> dict[str, Any]:
+    """What the run adds to the data config's fields: ``batch_size``, and ``seed`` when the
+    data module takes one. Refuses fields its ``__init__`` does not take, naming them.
+
+    A user's module under ``data._target_=pkg.MyDataModule`` keeps the recipe's other fields
+    (``root``, ``takes``, ...): Hydra's own message is a ``TypeError`` about one of them.
+
+    Example:
+        >>> fields = {"_target_": "torchshell.data.digits.DigitsDataModule", "num_workers": 0}
+        >>> sorted(data_module_kwargs(fields, seed=1, batch_size=8))
+        ['batch_size', 'seed']
+    """
+    import inspect
+
+    from hydra.utils import get_object
+
+    from torchshell._errors import ConfigError
+
+    target = fields["_target_"]
+    run = {"seed": seed, "batch_size": batch_size}
+    try:
+        params = inspect.signature(get_object(target)).parameters
+    except (ImportError, ValueError, TypeError):  # not loadable: Hydra's instantiate says so
+        return run
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return run
+    given = [k for k in fields if not k.startswith("_")]
+    unknown = [k for k in dict.fromkeys((*given, "batch_size")) if k not in params]
+    if unknown:
+        drop = " ".join(f"~data.{k}" for k in unknown if k != "batch_size")
+        raise ConfigError(
+            f"data._target_={target} does not take {unknown}: expected a data module whose "
+            "__init__ takes every field of the data config, and batch_size (the run sets it: "
+            "data.batch_size x step.steps_per_call, per process). Fix: give your "
+            "module its own data config (conf/data/NAME.yaml, then data=NAME), or drop the "
+            f"fields it does not take on the command line ({drop or 'none'}) and give it a "
+            "batch_size argument."
+        )
+    return {k: v for k, v in run.items() if k in params}
+
+
 def build(cfg: Config) -> tuple[Any, Any, Any]:
     """The data module, the :class:`~torchshell.JaxModule` and the torch model to export into.
 
@@ -144,7 +185,7 @@ def build(cfg: Config) -> tuple[Any, Any, Any]:
     k = cfg.step.steps_per_call
     rows = distributed.local_batch_size(cfg.data["batch_size"]) * k
     data_args = {key: v for key, v in cfg.data.items() if key != "recipe"}
-    data = instantiate(data_args, seed=cfg.seed, batch_size=rows)
+    data = instantiate(data_args, **data_module_kwargs(data_args, seed=cfg.seed, batch_size=rows))
     mesh = jaxcore.make_mesh(dict(cfg.mesh.axes), num_devices=cfg.mesh.num_devices)
     options: dict[str, Any] = dict(
         mesh=mesh,
