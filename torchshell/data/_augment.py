@@ -221,8 +221,9 @@ class Augment:
         """``length`` samples of one colour's noise: a random stretch of a row of the bank.
 
         The bank (:data:`BANK_ROWS` rows of :data:`BANK_SAMPLES` per exponent, one FFT call)
-        is drawn again every :data:`BANK_USES` batches of noisy clips: the FFT of every clip's
-        own noise was a third of a batch's augmentation time. Longer clips get their own.
+        is drawn again after ``BANK_USES * BANK_ROWS`` noisy clips (:data:`BANK_USES` per row
+        on average): the FFT of every clip's own noise was a third of a batch's augmentation
+        time. Longer clips get their own.
         """
         if length > BANK_SAMPLES:
             return colored_noise(length, exponent, generator)
