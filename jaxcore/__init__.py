@@ -28,7 +28,7 @@ from jaxcore.sharding import (
     state_sharding_fn,
 )
 from jaxcore.state import TrainState, init_train_state, replicated, state_shardings
-from jaxcore.step import make_eval_step, make_predict_step, make_train_step
+from jaxcore.step import make_eval_step, make_predict_step, make_train_forward, make_train_step
 
 __all__ = [
     "LARGEST",
@@ -59,6 +59,7 @@ __all__ = [
     "make_optimizer",
     "make_predict_step",
     "make_schedule",
+    "make_train_forward",
     "make_train_step",
     "masked_mean",
     "nnx_model",

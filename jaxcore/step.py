@@ -79,6 +79,24 @@ def _reduce(values: jax.Array, mask: Any, count: jax.Array, name: str = "") -> j
     return jnp.sum(values * mask)
 
 
+def _forward(
+    model: ModelFns, params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array, dtype: Any
+) -> tuple[PyTree, PyTree]:
+    """The training-mode forward pass: float32 outputs and the new model state."""
+    outputs, new_state = model.apply(
+        cast_floating(params, dtype), model_state, _inputs(batch, dtype), key, True
+    )
+    return cast_floating(outputs, jnp.float32), new_state
+
+
+def _weights(batch: Batch, weigh_rows: bool) -> tuple[jax.Array | None, jax.Array]:
+    """The rows' float mask and its count; ``(None, 1)`` when the batch weighs one."""
+    if not weigh_rows:
+        return None, jnp.float32(1.0)
+    mask = _mask(batch, _rows(batch)).astype(jnp.float32)
+    return mask, jnp.sum(mask)
+
+
 def _sums(
     model: ModelFns,
     loss_fn: LossFn,
@@ -93,16 +111,10 @@ def _sums(
 
     ``weigh_rows=False``: the batch weighs one whatever its rows (its values are means).
     """
-    outputs, new_state = model.apply(
-        cast_floating(params, dtype), model_state, _inputs(batch, dtype), key, True
-    )
-    outputs = cast_floating(outputs, jnp.float32)
+    outputs, new_state = _forward(model, params, model_state, batch, key, dtype)
     losses, metrics = loss_fn(outputs, batch)
-    if weigh_rows:
-        mask = _mask(batch, _rows(batch)).astype(jnp.float32)
-        count = jnp.sum(mask)
-    else:
-        mask, count = None, jnp.float32(1.0)
+    mask, count = _weights(batch, weigh_rows)
+    if not weigh_rows:
         for name, v in {"loss": losses, **metrics}.items():
             if jnp.ndim(v) and not name.startswith(TOTAL):
                 raise BatchError(
@@ -147,6 +159,7 @@ def make_train_step(
     stacked_micro: bool = False,
     grad_scale: float = 1.0,
     weigh_rows: bool = True,
+    unrolled_micro: bool = False,
 ) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -181,6 +194,9 @@ def make_train_step(
             ``False``: each micro-batch weighs one, as under Lightning's
             ``accumulate_grad_batches`` (the mean of the micro-batches' means); the loss and
             metrics must be 0-d batch means and the fields need no common row count.
+        unrolled_micro: the batch is a sequence of micro-batches whose shapes may differ
+            (an accumulation window holding a ragged last batch), unrolled in the step
+            instead of scanned; micro-batch ``i`` draws ``fold_in(key, i)`` as when stacked.
 
     The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
     ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
@@ -221,9 +237,18 @@ def make_train_step(
 
     def _step(state: TrainState, batch: Batch, m: int) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.rng, state.step)
-        if m == 1:
-            if stacked_micro:
-                batch = jax.tree.map(lambda v: v[0], batch)
+        if unrolled_micro:
+            model_state, acc = state.model_state, None
+            for i, mb in enumerate(batch):
+                (l_sum, (model_state, sums, c)), g = value_and_grad(
+                    state.params, model_state, mb, jax.random.fold_in(key, i)
+                )
+                new = (g, l_sum, sums, c)
+                acc = new if acc is None else jax.tree.map(jnp.add, acc, new)
+            grads, loss_sum, sums, count = acc
+        elif m == 1:
+            if stacked_micro:  # (a window of one: micro-batch 0, as in a longer window)
+                batch, key = jax.tree.map(lambda v: v[0], batch), jax.random.fold_in(key, 0)
             (loss_sum, (model_state, sums, count)), grads = value_and_grad(
                 state.params, state.model_state, batch, key
             )
@@ -311,12 +336,70 @@ def make_train_step(
         steps_per_call=k,
         # only a looping step needs the loop-free twin traced for its cost (a second trace
         # and lowering: a third of a warm start's time to the first step, measured)
-        cost_fn=flat_step if k > 1 or m > 1 else None,
+        cost_fn=flat_step if (k > 1 or m > 1) and not unrolled_micro else None,
         cost_args=lambda st, b: (st, _drop_leading_axes(b, int(k > 1))),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def make_train_forward(
+    model: ModelFns,
+    loss_fn: LossFn,
+    *,
+    micro: bool = False,
+    compute_dtype: Any = None,
+    weigh_rows: bool = True,
+) -> Step:
+    """A jitted ``forward(state, batch, i) -> (outputs, loss)``: the train step's forward alone.
+
+    The model's training-mode outputs and the batch's mean loss exactly as the next
+    :func:`make_train_step` call computes them: the same params (the state before the
+    update), the same random key (``fold_in(state.rng, state.step)``, and for ``micro=True``
+    micro-batch ``i``'s ``fold_in(key, i)``), so dropout masks agree. For the shell to report
+    a micro-batch's own loss while its accumulation window is still open (Lightning's
+    ``on_train_batch_end`` outputs), or what a traced step returns beside its loss. The
+    state is not donated nor changed.
+
+    Args:
+        model: init/apply functions.
+        loss_fn: ``(outputs, batch) -> (loss[B], metrics)``.
+        micro: the batch is micro-batch ``i`` of a ``stacked_micro`` accumulation window;
+            ``False``: a whole step's batch (``i`` is ignored).
+        compute_dtype: as for :func:`make_train_step`.
+        weigh_rows: as for :func:`make_train_step`.
+
+    Returns:
+        The jitted :class:`jaxcore.Step`.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
+        >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32)}
+        >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> _, loss = make_train_forward(model, jaxcore.softmax_cross_entropy)(st, batch, 0)
+        >>> step = make_train_step(model, jaxcore.softmax_cross_entropy, tx,
+        ...     state_sharding=jaxcore.state_shardings(st))
+        >>> _, metrics = step(st, batch)
+        >>> bool(jnp.allclose(loss, metrics["loss"]))
+        True
+    """
+    dtype = resolve_dtype(compute_dtype)
+    dtype = None if dtype == jnp.float32 else dtype
+
+    def forward(state: TrainState, batch: Batch, i: jax.Array) -> tuple[Any, jax.Array]:
+        key = jax.random.fold_in(state.rng, state.step)
+        if micro:
+            key = jax.random.fold_in(key, i)
+        outputs, _ = _forward(model, state.params, state.model_state, batch, key, dtype)
+        losses, _ = loss_fn(outputs, batch)
+        mask, count = _weights(batch, weigh_rows)
+        return outputs, _reduce(losses, mask, count) / jnp.maximum(count, 1.0)
+
+    return Step(forward, name="train_forward")
 
 
 def make_eval_step(

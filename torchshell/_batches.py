@@ -24,6 +24,7 @@ Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 __all__ = [
     "HostOnly",
+    "MicroBatches",
     "check_fields",
     "check_finite",
     "host_fields_out",
@@ -230,6 +231,24 @@ class HostOnly:
 
 jax.tree_util.register_pytree_node(
     HostOnly, lambda h: ((), (h.path, h.kind)), lambda aux, _: HostOnly(*aux)
+)
+
+
+class MicroBatches(tuple):  # type: ignore[type-arg]
+    """An accumulation window's batches whose shapes differ (a ragged last batch in it):
+    handed to the step as they are, which unrolls them (``unrolled_micro``) instead of
+    stacking. A pytree of its items; a plain tuple stays the user's own batch structure.
+
+    Example:
+        >>> jax.tree.leaves(MicroBatches(([1, 2], [3])))
+        [1, 2, 3]
+    """
+
+    __slots__ = ()
+
+
+jax.tree_util.register_pytree_node(
+    MicroBatches, lambda t: (tuple(t), None), lambda _, items: MicroBatches(items)
 )
 
 

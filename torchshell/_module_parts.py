@@ -70,7 +70,8 @@ class _Shared(L.LightningModule):
     flags: TrainerFlags
     _flag_originals: dict[str, Any] | None
     _train_step: jaxcore.Step | None
-    _short_steps: dict[int, jaxcore.Step]
+    _short_steps: dict[tuple[int, bool], jaxcore.Step]
+    _train_forward: jaxcore.Step | None
     _eval_step: jaxcore.Step | None
     _predict_step: jaxcore.Step | None
     _eval_sums: dict[int | None, dict[str, jax.Array]]  # per evaluation loader
@@ -159,6 +160,7 @@ class TrainerFlagsPart(_Shared):
             )
         if flags != self.flags:
             self._train_step = self._eval_step = self._predict_step = None
+            self._train_forward = None
             self._short_steps = {}
         if self.flags.clip_val != flags.clip_val and self.state is not None:
             raise ConfigError(

@@ -22,7 +22,7 @@ import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell import _state_io
-from torchshell._batches import check_finite, positional_keys, signature
+from torchshell._batches import MicroBatches, check_finite, positional_keys, signature
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags
 from torchshell._module_parts import (
@@ -145,8 +145,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             loss_fn = torch_loss_fn(loss_fn, label_key=label, inputs=names)
         elif written_in_torch(loss_fn):  # the team's own def loss(out, y): F.... (torchax)
             loss_fn = torch_function_loss(loss_fn, label_key=label, inputs=names)
-        else:  # a JAX loss may return batch means, or no metrics: one value per row here
-            loss_fn = jaxcore.per_example(loss_fn)
+        elif self._weigh_rows:  # a JAX loss may return batch means, or no metrics: one
+            loss_fn = jaxcore.per_example(loss_fn)  # value per row here (else means are taken)
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "
@@ -183,7 +183,9 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.flags = TrainerFlags()
         self._flag_originals: dict[str, Any] | None = None
         self._train_step: jaxcore.Step | None = None
-        self._short_steps: dict[int, jaxcore.Step] = {}  # a short last accumulation window
+        # a short last accumulation window, or one holding a ragged batch: (micro, ragged)
+        self._short_steps: dict[tuple[int, bool], jaxcore.Step] = {}
+        self._train_forward: jaxcore.Step | None = None  # see _outputs_ahead
         self._eval_step: jaxcore.Step | None = None
         self._predict_step: jaxcore.Step | None = None
         self._eval_sums: dict[int | None, dict[str, jax.Array]] = {}
@@ -309,7 +311,9 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_ended()
 
-    def _make_train_step(self, micro: int, grad_scale: float = 1.0) -> jaxcore.Step:
+    def _make_train_step(
+        self, micro: int, grad_scale: float = 1.0, ragged: bool = False
+    ) -> jaxcore.Step:
         assert self.state is not None
         window = self.flags.accumulate > 1
         return jaxcore.make_train_step(
@@ -325,6 +329,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             compute_dtype=self._compute_dtype,
             nan_policy=self.nan_policy,
             weigh_rows=self._weigh_rows,
+            unrolled_micro=ragged,
         )
 
     def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
@@ -381,15 +386,17 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
                     f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
                     "keep accumulate_grad_batches and set the other two to 1."
                 )
+            ahead = self._outputs_ahead(batch, len(self._window))
             window = self._window_batch(batch)
             if window is None:
                 self.train_log.compute += time.perf_counter() - t0
-                return self._outputs(self._last_metrics or None)  # (the last window's)
+                return ahead
             jbatch, one, rows_, micro = window
             steps = 1
         else:
             jbatch, one, rows_ = self._one_step_view(batch)
             micro, steps = self.accum_steps, self.steps_per_call
+            ahead = self._outputs_ahead(batch, 0)
         self.init_state(one)
         step_fn = self._step_for(micro, jbatch)
         before = self.trainer.global_step
@@ -408,20 +415,52 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
         if self.trainer.global_step // every > before // every:
             self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
-        return self._outputs(metrics)
+        return ahead if ahead is not None else self._outputs(metrics)
 
     def _outputs(self, metrics: Mapping[str, jax.Array] | None) -> dict[str, torch.Tensor] | None:
         if metrics is None or not self._outputs_wanted():
             return None
         return {"loss": torch.tensor(float(np.ravel(jax.device_get(metrics["loss"]))[-1]))}
 
-    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
-        """The compiled step for this call (a short last accumulation window has its own)."""
+    def _outputs_ahead(self, batch: Any, i: int) -> dict[str, Any] | None:
+        """``on_train_batch_end``'s outputs computed before the step; ``None``: the step's.
+
+        Under ``accumulate_grad_batches=m`` a batch's step runs when its window completes,
+        but Lightning gives each batch its own ``outputs["loss"]`` (its loss / m) at once:
+        when a callback reads them, the batch's forward pass runs alone first (micro-batch
+        ``i`` of the window: the window's params and random key, so the value is the one the
+        window's step computes).
+        """
         m = self.flags.accumulate
-        if m > 1 and micro < m:
-            if micro not in self._short_steps:
-                self._short_steps[micro] = self._make_train_step(micro, grad_scale=micro / m)
-            return self._short_steps[micro]
+        if m == 1 or not self._outputs_wanted():
+            return None
+        _, loss = self._forward(batch, i)
+        return {"loss": torch.tensor(float(loss)) / m}
+
+    def _forward(self, batch: Any, i: int) -> tuple[Any, jax.Array]:
+        """The next train step's forward pass on ``batch`` (its micro-batch ``i``) alone."""
+        if self._train_forward is None:
+            self._train_forward = jaxcore.make_train_forward(
+                self.model_fns,
+                self.loss_fn,
+                micro=self.flags.accumulate > 1,
+                compute_dtype=self._compute_dtype,
+                weigh_rows=self._weigh_rows,
+            )
+        state = self.init_state(batch)
+        return self._train_forward(state, self._sample(batch), np.int32(i))  # type: ignore[no-any-return]
+
+    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
+        """The compiled step for this call (a short or ragged accumulation window has its
+        own)."""
+        m = self.flags.accumulate
+        ragged = isinstance(jbatch, MicroBatches)
+        if m > 1 and (micro < m or ragged):
+            if (micro, ragged) not in self._short_steps:
+                self._short_steps[micro, ragged] = self._make_train_step(
+                    micro, grad_scale=micro / m, ragged=ragged
+                )
+            return self._short_steps[micro, ragged]
         if self._train_step is None:
             assert self.state is not None
             self._train_step = self._make_train_step(micro)

@@ -256,6 +256,13 @@ class StepOutputs(Classifier):
         correct = (out.argmax(1) == y).sum()
         self.validation_step_outputs.append({"loss": F.cross_entropy(out, y), "n": correct})
 
+    def on_train_epoch_end(self) -> None:
+        if self.in_training:
+            outs = self.training_step_outputs
+            self.log("train_mean", torch.stack(outs).mean())
+            self.log("train_batches", float(len(outs)))
+            outs.clear()
+
     def on_validation_epoch_end(self) -> None:
         outs = self.validation_step_outputs
         self.log("val_mean", torch.stack([o["loss"] for o in outs]).mean())
@@ -274,22 +281,78 @@ def test_validation_outputs_appended_to_a_list_reach_the_epoch_end_hook(tmp_path
     assert runs["jax"][1].port.module.validation_step_outputs == []
 
 
-def test_appending_in_a_compiled_training_step_is_refused_with_the_fix(tmp_path: Path) -> None:
-    module = JaxModule.from_lightning(StepOutputs(in_training=True), print_summary=False)
-    with pytest.raises(ConfigError, match=r"appends to self.training_step_outputs.*on_epoch=True"):
-        _trainer(tmp_path).fit(module, _loader())
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_training_outputs_appended_to_a_list_reach_the_epoch_end_hook(
+    tmp_path: Path, accumulate: int
+) -> None:
+    """Before: refused ("a compiled training step runs on the device"). Lightning 2's
+    migration guide writes epoch-end aggregation this way, so a module that does must run
+    unchanged: each batch's value, equal to plain Lightning's, is in the list at epoch end
+    (under accumulation too: a micro-batch's own loss, before its window's step)."""
+    runs = _both(
+        lambda: StepOutputs(in_training=True),
+        tmp_path,
+        _loader(100, 25),
+        _loader(100, 50),
+        accumulate_grad_batches=accumulate,
+        max_epochs=2,
+    )
+    plain, jax = _metrics(runs["plain"][0]), _metrics(runs["jax"][0])
+    for name in ("train_mean", "train_batches", "val_mean"):
+        assert jax[name] == pytest.approx(plain[name], rel=1e-5), name
+    assert jax["train_batches"] == 4
 
 
 class LossSeen(L.Callback):
-    """A team's callback reading ``outputs["loss"]`` in ``on_train_batch_end``."""
+    """A team's callback reading ``outputs["loss"]`` (and ``"preds"``, when the step returns
+    them) in ``on_train_batch_end``."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.preds: list[list[int]] = []
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(outputs["loss"]))
+        if "preds" in outputs:
+            self.preds.append(outputs["preds"].tolist())
+
+
+class ReturnsPreds(Classifier):
+    """``training_step`` returns a dict with the batch's predictions beside the loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        out = self(x)
+        return {"loss": F.cross_entropy(out, y), "preds": out.argmax(1)}
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_a_callback_gets_each_batchs_outputs_as_plain_lightning(
+    tmp_path: Path, accumulate: int
+) -> None:
+    """Before: the extra keys a training_step returns (``preds``) never reached
+    ``on_train_batch_end``, and under ``accumulate_grad_batches`` the first window's batches
+    had no ``outputs["loss"]`` (a KeyError) and later ones the previous window's. Now each
+    batch's own: its loss / accumulate_grad_batches and its predictions, as Lightning gives.
+
+    With 4: an epoch's windows are 4 x 16 rows, then 16, 16 and 4 (short and ragged: was
+    refused, "the batches of one window differ in shape"); the second epoch's values show the
+    weights those windows made equal plain Lightning's."""
+    seen = {}
+    for mode in ("plain", "jax"):
+        callback = LossSeen()
+        user = ReturnsPreds()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = _trainer(
+            tmp_path / mode, max_epochs=2, accumulate_grad_batches=accumulate, callbacks=[callback]
+        )
+        trainer.fit(module, _loader(100, 16))  # 7 batches an epoch: a short last window
+        seen[mode] = callback
+    assert len(seen["jax"].losses) == 14
+    assert seen["jax"].losses == pytest.approx(seen["plain"].losses, rel=1e-5)
+    assert seen["jax"].preds == seen["plain"].preds
 
 
 def test_a_user_callback_reads_each_steps_loss_from_outputs(tmp_path: Path) -> None:
@@ -317,3 +380,14 @@ def test_a_user_callback_reads_each_steps_loss_from_outputs(tmp_path: Path) -> N
     trainer.fit(flax, DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), 64))
     assert len(callback.losses) == 30 and flax._k == 1  # every step's own loss, no window
     assert callback.losses[-1] < callback.losses[0]
+
+    # accumulated: each batch's own loss / 2 (the window's step runs at its second batch)
+    callback = LossSeen()
+    trainer = _trainer(
+        tmp_path / "acc", max_steps=15, callbacks=[callback], accumulate_grad_batches=2
+    )
+    trainer.fit(flax, DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), 64))
+    assert len(callback.losses) == 30
+    window = float(flax._last_metrics["loss"])  # the last window's mean loss
+    assert callback.losses[-2] + callback.losses[-1] == pytest.approx(window, rel=1e-5)
+    assert callback.losses[-1] != callback.losses[-2]

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from torchshell import _state_io
-from torchshell._batches import host_fields_out
+from torchshell._batches import MicroBatches, host_fields_out
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
@@ -43,7 +43,7 @@ from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_rules import TorchOptState
 from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
-from torchshell.port._trace import LightningPort
+from torchshell.port._trace import LightningPort, host_tensors
 from torchshell.port._user import UserEvaluation, UserMetrics
 
 __all__ = ["LightningParts"]
@@ -192,15 +192,13 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         The user's ``self.log``/``self.log_dict`` in it go to this module's (the one
         Lightning's loop is running), so what it logs reaches the loggers and
         ``callback_metrics`` as in plain Lightning. ``on_train_batch_end`` receives the step's
-        outputs as plain Lightning gives them (``{"loss": loss}``, fetched from the device only
-        for a module that overrides it); the evaluation hooks, what the traced step returned.
+        outputs as plain Lightning gives them (:meth:`_outputs_wanted`); the evaluation
+        hooks, what the traced step returned.
         """
         ours, theirs = getattr(self, hook), getattr(self.port.module, hook)
 
         def both(*args: Any, **kwargs: Any) -> Any:
             ours(*args, **kwargs)
-            if hook == "on_train_batch_end" and self._last_metrics:
-                args = ({"loss": bridge.to_torch(self._last_metrics["loss"])}, *args[1:])
             user = self.port.module
             user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
             try:
@@ -428,6 +426,29 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         if not np.array_equal(new, scale):
             self.state = self.state.replace(opt_state=_with_scale(self.state.opt_state, new))
 
+    def _outputs_wanted(self) -> bool:
+        """Also when the user's module overrides ``on_train_batch_end`` itself."""
+        return self.port.overrides("on_train_batch_end") or super()._outputs_wanted()
+
+    def _outputs_ahead(self, batch: Any, i: int) -> dict[str, Any] | None:
+        """Lightning's outputs, computed before the step when ``training_step`` returns more
+        than its loss or appends to the module's lists (Lightning 2's
+        ``self.training_step_outputs.append(...)``): the lists get the values after each
+        batch, ``on_train_batch_end`` the returned dict (its loss / ``accumulate_grad_batches``,
+        as Lightning gives it). This runs the batch's forward pass alone, so such a module
+        computes it twice per batch.
+        """
+        self.init_state(batch)  # (the first batch traces training_step: now it is known)
+        if not self.port.returns_more:
+            return super()._outputs_ahead(batch, i)
+        outputs, loss = self._forward(batch, i)
+        user = host_tensors(outputs["user"])
+        for name, items in user["appended"].items():
+            getattr(self.port.module, name).extend(items)
+        if not self._outputs_wanted():
+            return None
+        return {"loss": torch.tensor(float(loss)) / self.flags.accumulate, **user["extras"]}
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
             self._sync_torch_lr()
@@ -465,14 +486,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         return self._leading(batch) or _first_rows(batch)
 
     def _stack(self, batches: list[Any]) -> Any:
-        shapes = {tuple(jax.tree.map(lambda t: tuple(t.shape), b).__repr__()) for b in batches}
-        if len(shapes) > 1:
-            raise ConfigError(
-                f"accumulate_grad_batches={self.flags.accumulate}: the batches of one window "
-                "differ in shape (a ragged last batch?), so they cannot be accumulated in one "
-                "compiled step without changing the loss. Fix: DataLoader(drop_last=True) for "
-                "training, or a dataset size divisible by the batch size."
-            )
+        """The window's batches stacked ``[m, B, ...]``; as :class:`MicroBatches` when their
+        shapes differ (a ragged last batch: the step unrolls them, each its own shape)."""
         self.port.specialise("training_step", self._placed(batches[0], stacked=False), True)
         if self.port.needs_statics("training_step"):
             raise ConfigError(
@@ -482,6 +497,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 "one compiled step. Fix: accumulate_grad_batches=1 with a larger batch, or "
                 "keep those values tensors (masks instead of lengths.max())."
             )
+        if len({repr(jax.tree.map(lambda t: tuple(t.shape), b)) for b in batches}) > 1:
+            return MicroBatches(self._placed(b, stacked=False) for b in batches)
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *batches)
         return self._placed(stacked, stacked=True)
 

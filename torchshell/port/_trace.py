@@ -42,6 +42,7 @@ __all__ = [
     "MetricCall",
     "add_metric_states",
     "hook_key",
+    "host_tensors",
 ]
 
 PyTree = Any
@@ -151,6 +152,11 @@ def _take_appended(module: torch.nn.Module, lengths: dict[str, int]) -> dict[str
             taken[name] = [item.x if isinstance(item, TracedScalar) else item for item in items[n:]]
             del items[n:]
     return taken
+
+
+def host_tensors(tree: Any) -> Any:
+    """A pytree of device (or numpy) arrays as torch tensors on the host (copies)."""
+    return jax.tree.map(lambda v: torch.from_numpy(np.array(v)), jax.device_get(tree))
 
 
 def hook_key(hook: str, dataloader_idx: int | None = None) -> str:
@@ -310,6 +316,7 @@ class LightningPort:
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
         self.metric_calls: dict[str, list[MetricCall]] = {hook: [] for hook in HOOKS}
         self._warned: set[tuple[str, str]] = set()
+        self.returns_more = False  # training_step returns extras or appends (see apply)
 
     def overrides(self, hook: str) -> bool:
         """Whether the user's class defines ``hook`` (Lightning's own check)."""
@@ -549,15 +556,6 @@ class LightningPort:
             (out, values, states, appended), new_state = self.tracer.call(
                 fn, params, model_state, [batch], rng, train
             )
-        if appended and hook == "training_step":
-            names = ", ".join(f"self.{name}" for name in appended)
-            raise ConfigError(
-                f"{type(self.module).__name__}.training_step appends to {names}: a compiled "
-                "training step runs on the device, so the values it appends would never reach "
-                "the list. Fix: log them with self.log(name, value, on_epoch=True) (Lightning "
-                "then reports the epoch's exact mean, or sum/max/min with reduce_fx=) and read "
-                "trainer.callback_metrics in on_train_epoch_end."
-            )
         specs: dict[str, LogSpec] = {}
         logs: dict[str, jax.Array] = {}
         for (spec, _), value in zip(records, values, strict=True):
@@ -571,7 +569,7 @@ class LightningPort:
             specs[spec.name], logs[spec.name] = spec, array.reshape(())
         for i, arrays in enumerate(states):  # a metric's batch states, for the host
             logs |= {f"{METRIC_KEY}{i}/{k}": jnp.asarray(v) for k, v in arrays.items()}
-        if appended:  # the evaluation step's outputs kept in lists: appended on the host
+        if appended:  # the step's outputs kept in lists: appended on the host
             logs[APPENDED_KEY] = appended
         self.specs[hook_key(hook, dataloader_idx)] = specs
         self.metric_calls[hook_key(hook, dataloader_idx)] = [call for call, _ in calls]
@@ -601,6 +599,9 @@ class LightningPort:
                     out = getattr(self.module, hook)(b, 0, *extra)
                 finally:
                     appended = _take_appended(self.module, lists)
+            if hook == "training_step":  # (every trace of it: see LightningParts._outputs_ahead)
+                more = isinstance(out, Mapping) and set(out) - {"loss"}
+                self.returns_more = bool(more or appended)
             return (
                 out,
                 [value for _, value in records],
@@ -668,8 +669,10 @@ class LightningPort:
     def model_fns(self) -> ModelFns:
         """``training_step`` as jaxcore's :class:`~jaxcore.ModelFns`.
 
-        ``apply`` returns ``{"loss": loss, "logs": {name: value}}``, which :meth:`loss_fn`
-        turns into the step's loss and metrics (``log/<name>``).
+        ``apply`` returns ``{"loss": loss, "logs": {name: value}, "user": ...}``, which
+        :meth:`loss_fn` turns into the step's loss and metrics (``log/<name>``); ``"user"``
+        holds what the step returned beside its loss (``"extras"``) and appended to the
+        module's lists (``"appended"``), for the host (:func:`jaxcore.make_train_forward`).
         """
 
         def init(rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:
@@ -686,7 +689,11 @@ class LightningPort:
         self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
         out, logs, new_state = self.call("training_step", params, model_state, batch, rng, train)
-        return {"loss": self.loss_of(out), "logs": logs}, new_state
+        appended = logs.pop(APPENDED_KEY, {})
+        extras = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
+        extras = jax.tree.map(lambda v: v if isinstance(v, jax.Array) else None, extras)
+        user = {"extras": extras, "appended": appended}
+        return {"loss": self.loss_of(out), "logs": logs, "user": user}, new_state
 
     @staticmethod
     def loss_fn(outputs: PyTree, batch: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -30,6 +30,7 @@ from torchshell.port._trace import (
     LogSpec,
     add_metric_states,
     hook_key,
+    host_tensors,
 )
 
 __all__ = ["UserEvaluation", "UserMetrics"]
@@ -223,7 +224,7 @@ class UserEvaluation:
         for i, call in enumerate(self.port.metric_calls[key]):  # torchmetrics objects
             add_metric_states(user.get_submodule(call.path), call, host, i)
         for name, items in host.get(APPENDED_KEY, {}).items():  # self.<list>.append(...)
-            getattr(user, name).extend(jax.tree.map(lambda v: torch.from_numpy(np.array(v)), items))
+            getattr(user, name).extend(host_tensors(items))
         for name, spec in self.port.specs[key].items():
             value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
             self.log(
