@@ -10,7 +10,7 @@ from jaxcore._errors import (
 )
 from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_compile_cache
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
-from jaxcore.losses import TOTAL, masked_mean, per_example, softmax_cross_entropy
+from jaxcore.losses import MICRO, TOTAL, masked_mean, per_example, softmax_cross_entropy
 from jaxcore.mesh import make_mesh, set_cpu_devices
 from jaxcore.model import ModelFns, linen_model, nnx_model
 from jaxcore.optim import current_lr, make_optimizer, make_schedule
@@ -32,6 +32,7 @@ from jaxcore.step import make_eval_step, make_predict_step, make_train_forward, 
 
 __all__ = [
     "LARGEST",
+    "MICRO",
     "NAN_POLICIES",
     "PRESETS",
     "TOTAL",

@@ -19,6 +19,11 @@ TOTAL = "total/"
 """A metric named ``total/...`` is a batch-level total of any shape (e.g. a metric's confusion
 counts): summed over micro-batches as it is, never divided by the rows."""
 
+MICRO = "micro/"
+"""With ``make_train_step(per_micro=True)``, ``micro/<name>`` holds each micro-batch's own
+value of metric ``<name>`` (``[m]``) beside the accumulated one (Lightning logs each
+accumulated batch's value)."""
+
 
 def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Mean of ``values[B]`` over rows where ``mask[B]`` is true (all rows when ``None``).

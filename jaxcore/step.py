@@ -25,7 +25,7 @@ import optax
 from jaxcore._errors import BatchError
 from jaxcore.compile import Step, check_positive
 from jaxcore.guard import check_policy, finite_ok, guarded
-from jaxcore.losses import TOTAL
+from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import cast_floating, resolve_dtype
 from jaxcore.state import TrainState
@@ -160,6 +160,7 @@ def make_train_step(
     grad_scale: float = 1.0,
     weigh_rows: bool = True,
     unrolled_micro: bool = False,
+    per_micro: bool = False,
 ) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -197,6 +198,9 @@ def make_train_step(
         unrolled_micro: the batch is a sequence of micro-batches whose shapes may differ
             (an accumulation window holding a ragged last batch), unrolled in the step
             instead of scanned; micro-batch ``i`` draws ``fold_in(key, i)`` as when stacked.
+        per_micro: with ``stacked_micro``/``unrolled_micro``, the metrics also hold each
+            micro-batch's own values, ``MICRO + name`` of shape ``[m]`` (the loss's
+            excluded: it is the step's).
 
     The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
     ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
@@ -237,32 +241,38 @@ def make_train_step(
 
     def _step(state: TrainState, batch: Batch, m: int) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.rng, state.step)
+        micro_sums: Any = None  # per micro-batch: (sums, count) stacked on a leading axis
         if unrolled_micro:
-            model_state, acc = state.model_state, None
+            model_state, each = state.model_state, []
+            acc: Any = None
             for i, mb in enumerate(batch):
                 (l_sum, (model_state, sums, c)), g = value_and_grad(
                     state.params, model_state, mb, jax.random.fold_in(key, i)
                 )
                 new = (g, l_sum, sums, c)
                 acc = new if acc is None else jax.tree.map(jnp.add, acc, new)
+                each.append((sums, c))
             grads, loss_sum, sums, count = acc
+            micro_sums = jax.tree.map(lambda *v: jnp.stack(v), *each)
         elif m == 1:
             if stacked_micro:  # (a window of one: micro-batch 0, as in a longer window)
                 batch, key = jax.tree.map(lambda v: v[0], batch), jax.random.fold_in(key, 0)
             (loss_sum, (model_state, sums, count)), grads = value_and_grad(
                 state.params, state.model_state, batch, key
             )
+            if stacked_micro:
+                micro_sums = jax.tree.map(lambda v: v[None], (sums, count))
         else:
             micro = batch if stacked_micro else _micro_batches(batch, m)
 
-            def accumulate(carry: Any, xs: Any) -> tuple[Any, None]:
+            def accumulate(carry: Any, xs: Any) -> tuple[Any, Any]:
                 g_acc, l_acc, s_acc, c_acc, ms = carry
                 i, mb = xs
                 (l_sum, (ms, sums, c)), g = value_and_grad(
                     state.params, ms, mb, jax.random.fold_in(key, i)
                 )
                 add = jax.tree.map(jnp.add, (g_acc, l_acc, s_acc, c_acc), (g, l_sum, sums, c))
-                return (*add, ms), None
+                return (*add, ms), ((sums, c) if per_micro else None)
 
             first_micro = jax.tree.map(lambda v: v[0], micro)
             _, (_, sums_shape, _) = jax.eval_shape(
@@ -275,7 +285,7 @@ def make_train_step(
                 jnp.zeros((), jnp.float32),
                 state.model_state,
             )
-            (grads, loss_sum, sums, count, model_state), _ = jax.lax.scan(
+            (grads, loss_sum, sums, count, model_state), micro_sums = jax.lax.scan(
                 accumulate, zeros, (jnp.arange(m), micro)
             )
         denom = jnp.maximum(count, 1.0)
@@ -287,6 +297,14 @@ def make_train_step(
             "loss": loss,
             **{name: v if name.startswith(TOTAL) else v / denom for name, v in sums.items()},
         }
+        if per_micro and micro_sums is not None:
+            each_sums, each_count = micro_sums
+            each_denom = jnp.maximum(each_count, 1.0)
+            metrics |= {
+                f"{MICRO}{name}": v / each_denom
+                for name, v in each_sums.items()
+                if not name.startswith(TOTAL)
+            }
 
         def update() -> tuple[PyTree, PyTree, PyTree]:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)

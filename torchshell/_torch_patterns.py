@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchshell._errors import TorchModelError
+from torchshell._packed import packed_as_masks
 
 _BATCH_NORM_OPS = (
     "native_batch_norm",
@@ -266,6 +267,9 @@ def environment(reads: Reads) -> Any:
         is_view_op=False,
     )
     _scalar_reads(env, reads)
+    # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
+    # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
+    env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
     return env
 
 
@@ -301,8 +305,8 @@ def tracing() -> Iterator[None]:
             setattr(module, name, _no_check)
         for (module, name), loss in losses.items():
             setattr(module, name, _class_index_checked(loss))
-        with jax.ensure_compile_time_eval():  # batch-independent values stay concrete
-            yield
+        with jax.ensure_compile_time_eval(), packed_as_masks():  # batch-independent values
+            yield  # stay concrete; packed sequences are masks
     finally:
         for (module, name), check in {**checks, **losses}.items():
             setattr(module, name, check)

@@ -192,6 +192,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self._restore_dir: Path | None = None
         self._restore_tensors: dict[str, torch.Tensor] | None = None
         self._window: list[Any] = []  # batches of the current accumulation window
+        self._micro_rows: list[int] = []  # the rows of each batch of the last window
         self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._quiet: contextlib.ExitStack | None = None
         self._masks: dict[int, jax.Array] = {}
@@ -330,6 +331,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             nan_policy=self.nan_policy,
             weigh_rows=self._weigh_rows,
             unrolled_micro=ragged,
+            per_micro=window and not self._weigh_rows,  # Lightning's per-batch self.log
         )
 
     def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
@@ -340,6 +342,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         if len(self._window) < m and not last:
             return None
         window, self._window = self._window, []
+        self._micro_rows = [self._global_rows(b) for b in window]
         return self._stack(window), window[0], self._global_rows(window[0]), len(window)
 
     def _outputs_wanted(self) -> bool:
@@ -434,10 +437,10 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         m = self.flags.accumulate
         if m == 1 or not self._outputs_wanted():
             return None
-        _, loss = self._forward(batch, i)
+        _, loss = self._step_forward(batch, i)
         return {"loss": torch.tensor(float(loss)) / m}
 
-    def _forward(self, batch: Any, i: int) -> tuple[Any, jax.Array]:
+    def _step_forward(self, batch: Any, i: int) -> tuple[Any, jax.Array]:
         """The next train step's forward pass on ``batch`` (its micro-batch ``i``) alone."""
         if self._train_forward is None:
             self._train_forward = jaxcore.make_train_forward(

@@ -136,3 +136,46 @@ def test_bf16_compute_keeps_fp32_params_and_close_loss(init16, tmp_path):
     assert "bf16" in (tmp_path / "train_step.hlo.txt").read_text()
     assert "bf16" not in str(jax.make_jaxpr(lambda x: x)(1.0))  # the check can fail
     assert stats.flops_per_step and stats.flops_per_step > 0
+
+
+def test_a_ragged_accumulation_window_unrolls_like_stacked_micro_batches(init16):
+    """``unrolled_micro``: micro-batches of different shapes (a window holding a ragged last
+    batch) give the update a stacked window of their means gives; ``per_micro`` reports each
+    micro-batch's own values."""
+    model, batch = mlp_case(rows=16)
+    first, second = ({k: v[:8] for k, v in batch.items()}, {k: v[8:] for k, v in batch.items()})
+    mesh = _mesh()
+
+    def means(outputs, b):  # weigh_rows=False: batch means, as a Lightning loss is
+        losses, metrics = jaxcore.softmax_cross_entropy(outputs, b)
+        return losses.mean(), {k: v.mean() for k, v in metrics.items()}
+
+    def step(**kw):
+        state, _, sharding = setup(model, first, mesh, state=init16)
+        tx = jaxcore.make_optimizer("adamw", lr=1e-2, weight_decay=1e-4)
+        fn = jaxcore.make_train_step(
+            model,
+            means,
+            tx,
+            state_sharding=jaxcore.state_shardings(state),
+            accum_steps=2,
+            weigh_rows=False,
+            per_micro=True,
+            **kw,
+        )
+        return state, fn, sharding
+
+    state, stacked, _ = step(stacked_micro=True)
+    window = jaxcore.batch_sharding(mesh, steps_per_call=2)
+    s1, m1 = stacked(state, put({k: np.stack([first[k], second[k]]) for k in batch}, window))
+    state, unrolled, sharding = step(unrolled_micro=True)
+    s2, m2 = unrolled(state, (put(first, sharding), put(second, sharding)))
+    _close(s2.params, s1.params)
+    each = f"{jaxcore.MICRO}accuracy"
+    assert m2[each].shape == (2,)
+    _close(m2[each], m1[each])
+    np.testing.assert_allclose(float(m2["accuracy"]), np.mean(np.asarray(m2[each])), rtol=1e-6)
+
+    state, ragged, sharding = step(unrolled_micro=True)
+    _, m3 = ragged(state, (put(batch, sharding), put(second, sharding)))  # 16 then 8 rows
+    assert m3[each].shape == (2,) and ragged.compiles == 1

@@ -7,17 +7,22 @@ the traced apply) and checks the outcome against torch itself.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lightning as L
 import numpy as np
 import optax
 import pytest
 import torch
 import torchaudio
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import jaxcore
+from tests.helpers import quiet_trainer
 from tests.zoo.harness import sgd_parity
 from torchshell._errors import TorchModelError
 from torchshell.torch_model import STATIC_KEY, specialise_batch, torch_model_fns
@@ -267,3 +272,65 @@ def test_a_number_from_the_weights_is_still_reported_with_the_module():
 
     with pytest.raises(TorchModelError, match=r"<root> \(FromWeights\).*needs a tensor's value"):
         torch_model_fns(FromWeights(), example={"x": torch.ones(2, 4)})
+
+
+# -- packed sequences run as masks (torchshell/_packed.py) ---------------------------------
+class _PackedRNN(L.LightningModule):
+    """A team's RNN classifier over padded token batches with their lengths, packed."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.emb = kind, nn.Embedding(20, 8, padding_idx=0)
+        if kind == "bigru":  # 2 layers, both directions; pad_packed_sequence to the longest
+            self.rnn: nn.Module = nn.GRU(8, 16, 2, batch_first=True, bidirectional=True)
+            self.out = nn.Linear(32, 3)
+        else:  # an LSTM with projections, time-major, padded back to a fixed total_length
+            self.rnn, self.out = nn.LSTM(8, 16, proj_size=4), nn.Linear(40, 3)
+
+    def forward(self, tok: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        x = self.emb(tok)
+        if self.kind == "bigru":
+            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            out, h = self.rnn(packed)
+            out, lens = pad_packed_sequence(out, batch_first=True)
+            pooled = out.sum(1) / lens[:, None].to(out.dtype)
+            return self.out(pooled) + self.out(torch.cat([h[-2], h[-1]], -1))
+        packed = pack_padded_sequence(x.transpose(0, 1), lengths, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return self.out(pad_packed_sequence(out, total_length=10)[0].transpose(0, 1).flatten(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tok, lengths, y = batch
+        loss = nn.functional.cross_entropy(self(tok, lengths), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["bigru", "lstm_proj"])
+def test_packed_sequences_train_as_plain_lightning(tmp_path: Path, kind: str) -> None:
+    """Before: ``torchax cannot lower the op aten::_pack_padded_sequence`` (and
+    ``lengths.cpu()`` left the traced step). Now the packed recurrence runs on the padded
+    batch with each sequence's state frozen past its length: weights equal plain
+    Lightning's after 2 epochs, losses per batch too."""
+    from torchshell import JaxModule
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 11, (96,), generator=g)
+    tok = torch.randint(1, 20, (96, 10), generator=g) * (torch.arange(10) < lengths[:, None])
+    data = TensorDataset(tok, lengths, tok[:, 0] % 3)
+    weights = {}
+    for mode in ("plain", "jax"):
+        user = _PackedRNN(kind)
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=2).fit(
+            module, DataLoader(data, batch_size=32)
+        )
+        weights[mode] = user.state_dict()  # (the trained weights, back in the module)
+    for name, w in weights["plain"].items():
+        torch.testing.assert_close(weights["jax"][name], w, rtol=1e-4, atol=1e-5, msg=name)

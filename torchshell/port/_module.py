@@ -441,7 +441,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self.init_state(batch)  # (the first batch traces training_step: now it is known)
         if not self.port.returns_more:
             return super()._outputs_ahead(batch, i)
-        outputs, loss = self._forward(batch, i)
+        outputs, loss = self._step_forward(batch, i)
         user = host_tensors(outputs["user"])
         for name, items in user["appended"].items():
             getattr(self.port.module, name).extend(items)

@@ -689,7 +689,7 @@ class LightningPort:
         self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
         out, logs, new_state = self.call("training_step", params, model_state, batch, rng, train)
-        appended = logs.pop(APPENDED_KEY, {})
+        appended: Any = logs.pop(APPENDED_KEY, {})  # ({list attribute: [values]})
         extras = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
         extras = jax.tree.map(lambda v: v if isinstance(v, jax.Array) else None, extras)
         user = {"extras": extras, "appended": appended}

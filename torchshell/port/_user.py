@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 
 import bridge
 import jaxcore
-from jaxcore import TOTAL
+from jaxcore import MICRO, TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._errors import ConfigError
 from torchshell.port._trace import (
@@ -57,6 +57,7 @@ class UserMetrics:
     _epoch: Any
     _last_metrics: dict[str, jax.Array]
     log: Any
+    _micro_rows: list[int]
 
     def _train_specs(self) -> dict[str, LogSpec]:
         return self.port.specs["training_step"]
@@ -65,7 +66,9 @@ class UserMetrics:
         out = {"train/loss": metrics["loss"]}
         for name, spec in self._train_specs().items():
             if spec.on_step and spec.metric is None:  # (metric objects: Lightning logs them)
-                out[f"{name}_step" if spec.on_epoch else name] = metrics[f"log/{name}"]
+                # under accumulate_grad_batches: each batch's own, the last one's reported
+                value = metrics.get(f"{MICRO}log/{name}", metrics[f"log/{name}"])
+                out[f"{name}_step" if spec.on_epoch else name] = value
         for key in ("nonfinite",):
             if key in metrics:
                 out[f"train/{key}"] = metrics[key]
@@ -95,14 +98,21 @@ class UserMetrics:
         epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch and s.metric is None}
         if not epoch:
             return
-        w = jnp.float32(rows_)
         new = {}
         for name, spec in epoch.items():
-            v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1]
-            weight = jnp.float32(spec.batch_size) if spec.batch_size else w
+            each = metrics.get(f"{MICRO}log/{name}")  # accumulated batches: each its own
+            if each is None:
+                v, rows = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:], [rows_]
+            else:
+                v, rows = each, self._micro_rows
+            weight = (
+                jnp.full(v.shape, spec.batch_size, jnp.float32)
+                if spec.batch_size
+                else (jnp.asarray(rows, jnp.float32))
+            )
             if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
-                weight = jnp.float32(1.0)
-            new[name] = (v * weight, weight, v, v)
+                weight = jnp.ones(v.shape, jnp.float32)
+            new[name] = (jnp.sum(v * weight), jnp.sum(weight), jnp.max(v), jnp.min(v))
         self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
 
     def _metric_objects(self, metrics: dict[str, jax.Array]) -> None:
