@@ -439,13 +439,15 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         computes it twice per batch.
         """
         self.init_state(batch)  # (the first batch traces training_step: now it is known)
-        if not self.port.returns_more:
+        extras, appends = self.port.returns_more
+        wanted = self._outputs_wanted()
+        if not appends and not (extras and wanted):  # (extras no one reads: not computed)
             return super()._outputs_ahead(batch, i)
         outputs, loss = self._step_forward(batch, i)
         user = host_tensors(outputs["user"])
         for name, items in user["appended"].items():
             getattr(self.port.module, name).extend(items)
-        if not self._outputs_wanted():
+        if not wanted:
             return None
         return {"loss": torch.tensor(float(loss)) / self.flags.accumulate, **user["extras"]}
 

@@ -316,7 +316,8 @@ class LightningPort:
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
         self.metric_calls: dict[str, list[MetricCall]] = {hook: [] for hook in HOOKS}
         self._warned: set[tuple[str, str]] = set()
-        self.returns_more = False  # training_step returns extras or appends (see apply)
+        # training_step returns more than its loss, appends to lists (see _hook_fn)
+        self.returns_more = (False, False)
 
     def overrides(self, hook: str) -> bool:
         """Whether the user's class defines ``hook`` (Lightning's own check)."""
@@ -600,8 +601,8 @@ class LightningPort:
                 finally:
                     appended = _take_appended(self.module, lists)
             if hook == "training_step":  # (every trace of it: see LightningParts._outputs_ahead)
-                more = isinstance(out, Mapping) and set(out) - {"loss"}
-                self.returns_more = bool(more or appended)
+                extras = isinstance(out, Mapping) and set(out) - {"loss"}
+                self.returns_more = (bool(extras), bool(appended))
             return (
                 out,
                 [value for _, value in records],
