@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchshell._ctc import ctc_nll
 from torchshell._errors import TorchModelError
 from torchshell._packed import packed_as_masks
 
@@ -257,20 +258,48 @@ def environment(reads: Reads) -> Any:
     ops = [getattr(torch.ops.aten, name).default for name in _BATCH_NORM_OPS]
     for op, impl in get_decompositions(ops).items():
         env.override_op_definition(op, impl)
-    bincount = torch.ops.aten.bincount.default
-    env._ops[bincount] = ops_registry.Operator(
-        bincount,
-        _bincount,
-        is_jax_function=True,
-        is_user_defined=True,
-        needs_env=False,
-        is_view_op=False,
-    )
+    lowerings = {
+        torch.ops.aten.bincount.default: _bincount,
+        torch.ops.aten._ctc_loss.Tensor: ctc_nll,  # F.ctc_loss, nn.CTCLoss
+    }
+    for aten_op, lowering in lowerings.items():
+        env._ops[aten_op] = ops_registry.Operator(
+            aten_op,
+            lowering,
+            is_jax_function=True,
+            is_user_defined=True,
+            needs_env=False,
+            is_view_op=False,
+        )
     _scalar_reads(env, reads)
     # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
     # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
+    env.override_op_definition(F.ctc_loss, functools.partial(_ctc_loss, env))
     return env
+
+
+_F_CTC_LOSS = F.ctc_loss
+
+
+def _ctc_loss(
+    env: Any,
+    log_probs: Any,
+    targets: Any,
+    input_lengths: Any,
+    target_lengths: Any,
+    *args: Any,
+    **kw: Any,
+) -> Any:
+    """``F.ctc_loss`` with lengths given as lists or tuples: passed as tensors (torch's list
+    overload reads the traced tensors' data in C++; the tensor one reaches ``ctc_nll``)."""
+
+    def as_tensor(x: Any) -> Any:
+        return x if isinstance(x, torch.Tensor) else env.j2t_iso(jnp.asarray(x, jnp.int32))
+
+    return _F_CTC_LOSS(
+        log_probs, targets, as_tensor(input_lengths), as_tensor(target_lengths), *args, **kw
+    )
 
 
 def _bincount(x: jax.Array, weights: jax.Array | None = None, minlength: int = 0) -> jax.Array:

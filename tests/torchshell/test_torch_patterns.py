@@ -19,6 +19,7 @@ import pytest
 import torch
 import torchaudio
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import jaxcore
@@ -334,3 +335,70 @@ def test_packed_sequences_train_as_plain_lightning(tmp_path: Path, kind: str) ->
         weights[mode] = user.state_dict()  # (the trained weights, back in the module)
     for name, w in weights["plain"].items():
         torch.testing.assert_close(weights["jax"][name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _CTCHead(L.LightningModule):
+    """A speech team's CTC head: frames -> per-frame label log-probs -> torch's CTC loss."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv1d(8, 16, 3, padding=1), nn.GELU(), nn.Conv1d(16, 5, 1))
+        self.kind = kind
+        self.ctc = nn.CTCLoss(blank=0, reduction="sum", zero_infinity=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, frames, labels, label_lengths = batch
+        log_probs = self.net(x.transpose(1, 2)).permute(2, 0, 1).log_softmax(-1)  # [T, N, C]
+        if self.kind == "concat_zero_inf":
+            loss = self.ctc(log_probs, labels, frames, label_lengths) / x.shape[0]
+        elif self.kind == "list_lengths":  # whole inputs and labels, lengths as Python lists
+            n, t, s = x.shape[0], x.shape[1], labels.shape[1]
+            loss = F.ctc_loss(log_probs, labels, [t] * n, [s] * n)
+        else:
+            loss = F.ctc_loss(log_probs, labels, frames, label_lengths)  # mean over lengths
+        self.log("ctc", loss, on_epoch=True, batch_size=x.shape[0])
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _concatenate_labels(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    x, frames, labels, lengths = (torch.stack(c) for c in zip(*rows, strict=True))
+    return x, frames, torch.cat([y[:n] for y, n in zip(labels, lengths, strict=True)]), lengths
+
+
+@pytest.mark.parametrize("kind", ["padded_mean", "concat_zero_inf", "list_lengths"])
+def test_ctc_loss_trains_as_plain_lightning(tmp_path: Path, kind: str) -> None:
+    """Before: ``torchax cannot lower the op aten::_ctc_loss.Tensor`` (F.ctc_loss,
+    nn.CTCLoss: the loss of wav2vec2/conformer speech heads). Now the CTC recursion runs in
+    the step (torchshell/_ctc.py): per-step losses and the weights after 2 epochs equal plain
+    Lightning's, with padded targets and with torch's concatenated ones, repeated labels,
+    empty targets, (zero_infinity) an input too short for its labels, and lengths given as a
+    Python list."""
+    from torchshell import JaxModule
+
+    g = torch.Generator().manual_seed(0)
+    n, t, s = 48, 16, 5
+    frames = torch.randint(8, t + 1, (n,), generator=g)
+    labels = torch.randint(1, 5, (n, s), generator=g)
+    labels[:4] = 2  # repeated labels need a blank between them
+    label_lengths = torch.randint(0, s + 1, (n,), generator=g)
+    concatenated = kind == "concat_zero_inf"
+    if concatenated:
+        frames[5], label_lengths[5], labels[5] = 3, 5, 1  # no alignment: 0 with zero_infinity
+    data = TensorDataset(torch.randn(n, t, 8, generator=g), frames, labels, label_lengths)
+    collate = _concatenate_labels if concatenated else None
+    results = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = _CTCHead(kind)
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=2)
+        trainer.fit(module, DataLoader(data, batch_size=16, collate_fn=collate))
+        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
+    for name, w in results["plain"][0].items():
+        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
+    for name, v in results["plain"][1].items():
+        assert torch.isfinite(v), name
+        torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-5, atol=1e-5, msg=name)
