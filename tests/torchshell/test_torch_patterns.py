@@ -402,3 +402,56 @@ def test_ctc_loss_trains_as_plain_lightning(tmp_path: Path, kind: str) -> None:
     for name, v in results["plain"][1].items():
         assert torch.isfinite(v), name
         torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _LayerDrop(L.LightningModule):
+    """wav2vec2's layer drop (``torch.rand(1).item() <= p``: a traced Python bool) in a module
+    that logs from its ``training_step``."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head, self.p = nn.Linear(8, 3), p
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        for layer in self.layers:
+            if not (self.training and torch.rand(1).item() < self.p):
+                x = x + torch.tanh(layer(x))
+        loss = F.cross_entropy(self.head(x), y)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_traced_branch_in_a_logging_training_step_trains_as_plain_lightning(
+    tmp_path: Path,
+) -> None:
+    """Before: ``true_fun output ... is a list of length 1 but false_fun output ... is a list
+    of length 2`` (each path of the branch appended its ``self.log`` to the same records).
+    Now each path keeps its own: with ``p=0`` (the branch traced, never taken) the losses and
+    weights equal plain Lightning's; with ``p=0.5`` it trains and logs."""
+    from torchshell import JaxModule
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    results = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = _LayerDrop(0.0)
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=2)
+        trainer.fit(module, DataLoader(data, batch_size=16))
+        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
+    for name, w in results["plain"][0].items():
+        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    for name, v in results["plain"][1].items():
+        torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-5, atol=1e-6, msg=name)
+    trainer = quiet_trainer(default_root_dir=tmp_path / "drop", max_epochs=1)
+    trainer.fit(
+        JaxModule.from_lightning(_LayerDrop(0.5), print_summary=False),
+        DataLoader(data, batch_size=16),
+    )
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])

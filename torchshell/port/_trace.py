@@ -588,6 +588,8 @@ class LightningPort:
         extra = () if dataloader_idx is None else (dataloader_idx,)
 
         def fn(b: Any) -> Any:
+            # each path of a traced branch (layer drop) runs the hook again: its own records
+            del records[:], calls[:]
             # Lightning's precision plugin may have entered torch.autocast around our
             # training_step; the traced step's dtype is the JAX step's, not autocast's.
             with (
