@@ -12,17 +12,25 @@ Impossible alignments (an input shorter than its target plus its repeated labels
 ``inf`` as in torch; their gradient is 0 (a finite stand-in for log 0 inside the recursion
 keeps NaN out of the ``zero_infinity=True`` gradient). Padded ``[N, S]`` targets and torch's
 concatenated 1-D form both work. torch's value checks (a target length past ``S``, an input
-length past ``T``) need the values: inside the compiled step they are not made.
+length past ``T``, a label out of range) need the values: inside the compiled step they are
+not made. transformers' CTC heads (``Wav2Vec2ForCTC(labels=...)``) flatten their labels with
+``masked_select``, a shape that depends on values: :func:`hf_ctc_shape_static` gives them
+the same loss on padded labels while a step is traced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
 
-__all__ = ["ctc_nll"]
+__all__ = ["ctc_nll", "hf_ctc_shape_static"]
 
 _LOG0 = -1e30  # log(0) inside the recursion: finite, so gradients stay finite
 
@@ -119,3 +127,58 @@ def ctc_nll(
     log_alpha = jnp.where(log_alpha <= _LOG0 / 2, -jnp.inf, log_alpha)
     out_dtype = log_probs.dtype
     return nll.astype(out_dtype), log_alpha.astype(out_dtype)
+
+
+def _shape_static_hf_ctc(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    logit_lengths: torch.Tensor,
+    blank_token_id: int,
+    reduction: str = "mean",
+    zero_infinity: bool = False,
+    ignore_index: int = -100,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``ForCTCLoss`` with padded targets instead of ``masked_select``'s.
+
+    transformers flattens the kept labels (``labels.masked_select(mask)``: as many as the mask
+    holds, a shape that depends on values). Here each row's kept labels move to its front, in
+    order (a stable sort on the mask), and the ``[N, U]`` result goes to the same
+    ``F.ctc_loss`` with the same lengths: the same loss, with a static shape.
+    """
+    labels = labels.to(logits.device)
+    keep = (labels != ignore_index) & (labels != blank_token_id)
+    order = torch.argsort((~keep).to(torch.int32), dim=-1, stable=True)
+    targets = torch.gather(torch.where(keep, labels, blank_token_id), -1, order)
+    log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+    return F.ctc_loss(
+        log_probs,
+        targets,
+        logit_lengths,
+        keep.sum(-1),
+        blank=blank_token_id,
+        reduction=reduction,
+        zero_infinity=zero_infinity,
+    )
+
+
+@contextlib.contextmanager
+def hf_ctc_shape_static() -> Iterator[None]:
+    """transformers' CTC loss (``Wav2Vec2ForCTC``, ``HubertForCTC``... ``labels=``) traced.
+
+    Only when transformers' loss table is already imported (this never imports it).
+
+    Example:
+        >>> with hf_ctc_shape_static():
+        ...     pass
+    """
+    table = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", None)
+    if not isinstance(table, dict) or "ForCTC" not in table:
+        yield
+        return
+    original = table["ForCTC"]
+    table["ForCTC"] = _shape_static_hf_ctc
+    try:
+        yield
+    finally:
+        table["ForCTC"] = original

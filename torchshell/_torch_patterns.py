@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchshell._ctc import ctc_nll
+from torchshell._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell._errors import TorchModelError
 from torchshell._packed import packed_as_masks
 
@@ -334,7 +334,7 @@ def tracing() -> Iterator[None]:
             setattr(module, name, _no_check)
         for (module, name), loss in losses.items():
             setattr(module, name, _class_index_checked(loss))
-        with jax.ensure_compile_time_eval(), packed_as_masks():  # batch-independent values
+        with jax.ensure_compile_time_eval(), packed_as_masks(), hf_ctc_shape_static():
             yield  # stay concrete; packed sequences are masks
     finally:
         for (module, name), check in {**checks, **losses}.items():

@@ -1,7 +1,8 @@
 """torchaudio inside a team's LightningModule, through ``from_lightning``, against plain
 Lightning: a ``Conformer`` fed lengths (it reads ``int(lengths.max())`` in Python: a batch
 scalar, one compiled step per value) and SpecAugment masks in ``training_step`` (torchaudio
-checks a traced value and raises on one outcome)."""
+checks a traced value and raises on one outcome), and a transformers `Wav2Vec2ForCTC` trained
+with `labels=`."""
 
 from __future__ import annotations
 
@@ -114,3 +115,66 @@ def test_spec_augment_in_training_step_trains_and_a_failing_check_raises(tmp_pat
     checked = JaxModule.from_lightning(ConformerClassifier(loud=3.0), print_summary=False)
     with pytest.raises(Exception, match=r"a frame louder than 3\.0: check the feature scaling"):
         _fit(checked, tmp_path / "loud")
+
+
+class HFSpeechToText(L.LightningModule):
+    """A transformers ``Wav2Vec2ForCTC`` fine-tuned with ``labels=`` (-100 padding), as the
+    transformers speech recipes do, with a validation loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+        no_dropout = dict.fromkeys(
+            ("hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout",
+             "final_dropout", "layerdrop", "mask_time_prob"), 0.0
+        )  # fmt: skip
+        config = Wav2Vec2Config(
+            vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, pad_token_id=0,
+            ctc_zero_infinity=True, **no_dropout,
+        )  # fmt: skip
+        self.model = Wav2Vec2ForCTC(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        wav, mask, labels = batch
+        loss = self.model(input_values=wav, attention_mask=mask, labels=labels).loss
+        self.log("train_loss", loss, batch_size=wav.shape[0])
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        wav, mask, labels = batch
+        loss = self.model(input_values=wav, attention_mask=mask, labels=labels).loss
+        self.log("val_loss", loss, batch_size=wav.shape[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
+
+
+def test_a_transformers_ctc_model_trains_as_plain_lightning(tmp_path: Path) -> None:
+    """Before: ``needs a tensor's value in Python`` at transformers' ``ForCTCLoss``
+    (``labels.masked_select(mask)``, a shape that depends on values), and torchax could not
+    lower ``aten::_ctc_loss``. Now the same loss runs on padded labels (torchshell/_ctc.py):
+    per-step losses, the validation loss and the weights equal plain Lightning's."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    wav = torch.randn(24, 1600, generator=g)
+    mask = (torch.arange(1600) < torch.randint(800, 1601, (24, 1), generator=g)).long()
+    labels = torch.randint(1, 12, (24, 6), generator=g)
+    labels = torch.where(torch.arange(6) < torch.randint(1, 7, (24, 1), generator=g), labels, -100)
+    data = TensorDataset(wav, mask, labels)
+    results = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = HFSpeechToText()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=1)
+        trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=12))
+        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
+    assert set(results["jax"][1]) == {"train_loss", "val_loss"}
+    for name, v in results["plain"][1].items():
+        torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-4, atol=1e-4, msg=name)
+    for name, w in results["plain"][0].items():
+        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
