@@ -3,18 +3,21 @@
 A Flax model's ``inputs`` and a JAX loss read batch fields by key. A ``TensorDataset``
 collates to a list ``[x, y]`` (a tuple or namedtuple from other datasets), so a sequence
 batch is named position by position with ``batch_keys`` (``("x", "y")`` by default, the
-convention the losses use); a namedtuple keeps its field names. Dicts pass unchanged.
+convention the losses use); a namedtuple or a dataclass keeps its field names. Dicts pass
+unchanged (other mappings, e.g. transformers' ``BatchEncoding``, become dicts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import torch
+import torch.utils._pytree as torch_pytree
 from flax.errors import FlaxError
 
 from jaxcore import BatchError
@@ -27,6 +30,7 @@ __all__ = [
     "MicroBatches",
     "check_fields",
     "check_finite",
+    "containers_as_nodes",
     "host_fields_out",
     "name_batch",
     "positional_keys",
@@ -39,7 +43,8 @@ def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, 
     """The batch as a dict of named fields (a dict batch is returned as it is).
 
     Args:
-        batch: a dict, a list/tuple of tensors (``TensorDataset``), or a namedtuple.
+        batch: a mapping, a list/tuple of tensors (``TensorDataset``), a namedtuple or a
+            dataclass (named by its fields).
         batch_keys: names of the positions of a list/tuple batch, in order.
 
     Returns:
@@ -58,6 +63,8 @@ def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, 
         return batch if isinstance(batch, dict) else dict(batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return dict(zip(batch._fields, batch, strict=True))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     if isinstance(batch, (list, tuple)):
         if len(batch) > len(batch_keys):
             raise BatchError(
@@ -68,9 +75,9 @@ def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, 
             )
         return dict(zip(batch_keys, batch, strict=False))
     raise BatchError(
-        f"Expected a batch collated to a dict, a list/tuple (e.g. from a TensorDataset) or a "
-        f"namedtuple of tensors, got {type(batch).__name__}. Fix: return tensors from the "
-        "Dataset (or a collate_fn that builds a dict of tensors)."
+        f"Expected a batch collated to a dict, a list/tuple (e.g. from a TensorDataset), a "
+        f"namedtuple or a dataclass of tensors, got {type(batch).__name__}. Fix: return "
+        "tensors from the Dataset (or a collate_fn that builds a dict of tensors)."
     )
 
 
@@ -263,6 +270,7 @@ def host_fields_out(batch: Any) -> Any:
 
     if _all_tensors(batch):  # the common case, checked in ~1 us (no tree rebuilt)
         return batch
+    containers_as_nodes(batch)
 
     def leaf(x: Any) -> bool:
         return isinstance(x, list | tuple) and bool(x) and not _has_arrays(x)
@@ -270,9 +278,84 @@ def host_fields_out(batch: Any) -> Any:
     def swap(path: Any, x: Any) -> Any:
         if x is None or isinstance(x, torch.Tensor | jax.Array):
             return x
-        return HostOnly(jax.tree_util.keystr(path), type(x).__name__)
+        return HostOnly(jax.tree_util.keystr(path) or "(the whole batch)", type(x).__name__)
 
     return jax.tree_util.tree_map_with_path(swap, batch, is_leaf=leaf)
+
+
+_NODES: set[type] = set()  # container types registered below
+
+
+def containers_as_nodes(batch: Any) -> None:
+    """Makes the batch's own container types pytree nodes, so their tensors reach the step.
+
+    A collate may build a dict-like object (transformers' ``BatchEncoding``, what its
+    tokenizers and ``DataCollatorWithPadding`` return; any ``Mapping``) or a dataclass. JAX
+    knows dicts, lists, tuples and namedtuples only; to it these would be leaves, not tensors.
+    Each such type is registered once, process-wide: a ``Mapping`` rebuilds as
+    ``type(items_dict)`` (its own constructor on a dict of its items, a plain dict if that
+    fails), a dataclass with its fields set (``__init__`` not called again), so the step gets
+    the type it was given.
+
+    Example:
+        >>> import dataclasses, torch
+        >>> @dataclasses.dataclass
+        ... class Pair:
+        ...     x: torch.Tensor
+        ...     y: torch.Tensor
+        >>> containers_as_nodes(Pair(torch.ones(2), torch.zeros(2)))
+        >>> jax.tree.map(lambda t: t + 1, Pair(torch.ones(2), torch.zeros(2))).y
+        tensor([1., 1.])
+    """
+    pending = [batch]
+    while pending:
+        x = pending.pop()
+        kind = type(x)
+        if isinstance(x, dict | list | tuple):
+            pending.extend(x.values() if isinstance(x, dict) else x)
+            continue
+        if isinstance(x, Mapping):
+            pending.extend(x.values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            pending.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        else:
+            continue
+        if kind not in _NODES:
+            _NODES.add(kind)
+            _register(kind)
+
+
+def _register(kind: Any) -> None:
+    """Registers a Mapping or dataclass type with JAX's pytrees and torch's (torchax maps its
+    tensors with torch's)."""
+    mapping = issubclass(kind, Mapping)
+    names = () if mapping else tuple(f.name for f in dataclasses.fields(kind))
+
+    def flatten(x: Any) -> tuple[list[Any], Any]:
+        if mapping:
+            return list(x.values()), tuple(x.keys())
+        return [getattr(x, n) for n in names], names
+
+    def rebuild(aux: Any, values: Any) -> Any:
+        if mapping:
+            items = dict(zip(aux, values, strict=True))
+            try:
+                return kind(items)
+            except Exception:  # a constructor that takes something else
+                return items
+        obj = object.__new__(kind)
+        for name, value in zip(names, values, strict=True):
+            object.__setattr__(obj, name, value)  # (frozen dataclasses too)
+        return obj
+
+    def flatten_with_keys(x: Any) -> tuple[list[Any], Any]:
+        values, aux = flatten(x)
+        key = jax.tree_util.DictKey if mapping else jax.tree_util.GetAttrKey
+        return [(key(k), v) for k, v in zip(aux, values, strict=True)], aux
+
+    jax.tree_util.register_pytree_with_keys(kind, flatten_with_keys, rebuild, flatten)
+    if kind not in torch_pytree.SUPPORTED_NODES:
+        torch_pytree.register_pytree_node(kind, flatten, lambda v, aux: rebuild(aux, v))
 
 
 def _all_tensors(batch: Any) -> bool:

@@ -4,6 +4,7 @@ three-tensor ``TensorDataset`` (each against plain Lightning where both train)."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -693,3 +694,69 @@ def test_reading_the_lr_in_a_traced_step_is_told_not_silent(tmp_path: Path) -> N
     optimizer = jm.trainer.optimizers[0]
     assert type(optimizer.param_groups[0]) is dict
     assert "get_last_lr" not in vars(jm.trainer.lr_scheduler_configs[0].scheduler)
+
+
+@dataclasses.dataclass
+class RowsAndLabels:
+    """A team's own batch class, as its collate builds it."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _collate_as(kind: str) -> Any:
+    def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+        if kind == "dataclass":
+            return RowsAndLabels(x, y)
+        from transformers import BatchEncoding  # what transformers' tokenizers and collators give
+
+        return BatchEncoding({"x": x, "y": y})
+
+    return collate
+
+
+class ReadsItsBatch(Small):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert not isinstance(batch, dict | list | tuple)  # its own type, as plain Lightning
+        x, y = (batch.x, batch.y) if isinstance(batch, RowsAndLabels) else (batch["x"], batch["y"])
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, batch_size=x.shape[0])
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "batch_encoding"])
+def test_a_collate_that_builds_its_own_batch_type_trains_as_plain_lightning(
+    tmp_path: Path, kind: str
+) -> None:
+    """Before: ``The batch field  holds a BatchEncoding, not a tensor`` (and the same for a
+    dataclass): JAX took the whole batch for one leaf. Now such container types become pytree
+    nodes at the hand-over and the step gets the type the collate built: the weights and the
+    logged loss equal plain Lightning's."""
+    results = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = ReadsItsBatch()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = _quiet_trainer(tmp_path / mode, max_epochs=2)
+        trainer.fit(module, DataLoader(_rows(), batch_size=16, collate_fn=_collate_as(kind)))
+        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
+    for name, w in results["plain"][0].items():
+        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(
+        results["jax"][1]["train_loss"], results["plain"][1]["train_loss"], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_flax_model_reads_a_dataclass_batch_by_field_name(tmp_path: Path) -> None:
+    """The Flax path names a dataclass batch by its fields, as it names a namedtuple's."""
+    import optax
+
+    import jaxcore
+    from jaxcore.models.digits import MLP
+
+    jm = JaxModule(MLP(features=(16,), num_classes=3), jaxcore.softmax_cross_entropy,
+                   optax.sgd(0.1), print_summary=False)  # fmt: skip
+    loader = DataLoader(_rows(), batch_size=16, collate_fn=_collate_as("dataclass"))
+    losses = _fit(jm, loader, tmp_path, max_epochs=2).series("train/loss")
+    assert len(losses) == 8 and np.isfinite(losses).all() and losses[-1] < losses[0]

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from torchshell import _state_io
-from torchshell._batches import MicroBatches, host_fields_out
+from torchshell._batches import MicroBatches, containers_as_nodes, host_fields_out
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
@@ -480,6 +480,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         return self._placed(batch, stacked=False)
 
     def _sample(self, batch: Any) -> Any:
+        containers_as_nodes(batch)  # (the first batch may come before any hand-over)
         return self.port.specialise("training_step", self._placed(batch, stacked=False), True)
 
     def _global_rows(self, batch: Any) -> int:
