@@ -397,3 +397,50 @@ def test_a_user_callback_reads_each_steps_loss_from_outputs(tmp_path: Path) -> N
     window = float(flax._last_metrics["loss"])  # the last window's mean loss
     assert callback.losses[-2] + callback.losses[-1] == pytest.approx(window, rel=1e-5)
     assert callback.losses[-1] != callback.losses[-2]
+
+
+class LogsItsBatchSize(L.LightningModule):
+    """``self.log(..., batch_size=len(y))``, as modules with dict or nested batches write it:
+    Lightning weights the epoch means by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, on_epoch=True, batch_size=len(y))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), batch_size=len(y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_epoch_means_weigh_each_batch_by_its_own_logged_batch_size(
+    tmp_path: Path, accumulate: int
+) -> None:
+    """Before: the ``batch_size=`` of the last compiled shape weighed every batch (after the
+    ragged last batch compiled, all batches weighed 8 rows), so ``val_loss`` and
+    ``train_loss_epoch`` were plain means of the batch values. Now each batch's own size
+    travels with its values: every ``callback_metrics`` value equals plain Lightning's."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g))
+    metrics = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = LogsItsBatchSize()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(
+            default_root_dir=tmp_path / mode, max_epochs=2, accumulate_grad_batches=accumulate
+        )
+        trainer.fit(module, DataLoader(data, batch_size=16), DataLoader(data, batch_size=16))
+        metrics[mode] = dict(trainer.callback_metrics)
+    assert set(metrics["jax"]) == set(metrics["plain"]) >= {"val_loss", "train_loss_epoch"}
+    for name, v in metrics["plain"].items():
+        torch.testing.assert_close(metrics["jax"][name], v, rtol=1e-5, atol=1e-6, msg=name)

@@ -131,6 +131,7 @@ def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any],
         metric._forward_cache = torch.tensor(np.array(host[f"{METRIC_KEY}{i}/value"]))  # type: ignore[assignment]
 
 
+BATCH_SIZE_KEY = "~batch_size/"  # in a step's logs: the batch_size= a self.log call gave
 APPENDED_KEY = "~appended"  # in an evaluation step's logs: {list attribute: [values]}
 USER_KEY = "~batch"  # a batch with static values (LightningPort.specialise): the user's batch
 _MAX_STATIC = 8  # distinct static values before a warning
@@ -568,6 +569,8 @@ class LightningPort:
                     "(e.g. .mean())."
                 )
             specs[spec.name], logs[spec.name] = spec, array.reshape(())
+            if spec.batch_size:  # (often the traced batch's rows: one value per compiled shape)
+                logs[f"{BATCH_SIZE_KEY}{spec.name}"] = jnp.asarray(spec.batch_size, jnp.float32)
         for i, arrays in enumerate(states):  # a metric's batch states, for the host
             logs |= {f"{METRIC_KEY}{i}/{k}": jnp.asarray(v) for k, v in arrays.items()}
         if appended:  # the step's outputs kept in lists: appended on the host

@@ -26,6 +26,7 @@ from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._errors import ConfigError
 from torchshell.port._trace import (
     APPENDED_KEY,
+    BATCH_SIZE_KEY,
     METRIC_KEY,
     LogSpec,
     add_metric_states,
@@ -101,15 +102,14 @@ class UserMetrics:
         new = {}
         for name, spec in epoch.items():
             each = metrics.get(f"{MICRO}log/{name}")  # accumulated batches: each its own
+            size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
             if each is None:
                 v, rows = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:], [rows_]
+                given = metrics.get(size)
+                given = None if given is None else jnp.reshape(given, (-1,))[-1:]
             else:
-                v, rows = each, self._micro_rows
-            weight = (
-                jnp.full(v.shape, spec.batch_size, jnp.float32)
-                if spec.batch_size
-                else (jnp.asarray(rows, jnp.float32))
-            )
+                v, rows, given = each, self._micro_rows, metrics.get(f"{MICRO}{size}")
+            weight = given if given is not None else jnp.asarray(rows, jnp.float32)
             if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
                 weight = jnp.ones(v.shape, jnp.float32)
             new[name] = (jnp.sum(v * weight), jnp.sum(weight), jnp.max(v), jnp.min(v))
@@ -246,7 +246,7 @@ class UserEvaluation:
                 on_step=spec.on_step,
                 on_epoch=spec.on_epoch,
                 reduce_fx=spec.reduce_fx,
-                batch_size=spec.batch_size or n or None,
+                batch_size=int(host.get(f"{BATCH_SIZE_KEY}{name}", 0)) or n or None,
                 add_dataloader_idx=spec.add_dataloader_idx,
             )
         return out
