@@ -31,6 +31,7 @@ __all__ = [
     "check_fields",
     "check_finite",
     "containers_as_nodes",
+    "host_fields_back",
     "host_fields_out",
     "name_batch",
     "positional_keys",
@@ -272,15 +273,44 @@ def host_fields_out(batch: Any) -> Any:
         return batch
     containers_as_nodes(batch)
 
-    def leaf(x: Any) -> bool:
-        return isinstance(x, list | tuple) and bool(x) and not _has_arrays(x)
-
     def swap(path: Any, x: Any) -> Any:
         if x is None or isinstance(x, torch.Tensor | jax.Array):
             return x
         return HostOnly(jax.tree_util.keystr(path) or "(the whole batch)", type(x).__name__)
 
-    return jax.tree_util.tree_map_with_path(swap, batch, is_leaf=leaf)
+    return jax.tree_util.tree_map_with_path(swap, batch, is_leaf=_host_leaf)
+
+
+def _host_leaf(x: Any) -> bool:
+    """A list or tuple without tensors is one host field (a batch's ids), not a node."""
+    return isinstance(x, list | tuple) and bool(x) and not _has_arrays(x)
+
+
+def host_fields_back(out: Any, batch: Any) -> Any:
+    """``out`` with each :class:`HostOnly` put back to the batch value it stands for.
+
+    A step may return a field it did not compute on (``predict_step`` returning the batch's
+    ids beside its predictions): the compiled step returns the stand-in, and the caller gets
+    the DataLoader's value, as plain Lightning returns it.
+
+    Example:
+        >>> import torch
+        >>> batch = {"x": torch.ones(2), "id": ["a", "b"]}
+        >>> out = {"id": host_fields_out(batch)["id"], "pred": torch.zeros(2)}
+        >>> host_fields_back(out, batch)["id"]
+        ['a', 'b']
+    """
+    stand_ins = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, HostOnly))
+    if not any(isinstance(x, HostOnly) for x in stand_ins):
+        return out
+    values = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(batch, is_leaf=_host_leaf)[0]:
+        values[jax.tree_util.keystr(path) or "(the whole batch)"] = value
+    return jax.tree.map(
+        lambda x: values.get(x.path, x) if isinstance(x, HostOnly) else x,
+        out,
+        is_leaf=lambda x: isinstance(x, HostOnly),
+    )
 
 
 _NODES: set[type] = set()  # container types registered below

@@ -760,3 +760,40 @@ def test_a_flax_model_reads_a_dataclass_batch_by_field_name(tmp_path: Path) -> N
     loader = DataLoader(_rows(), batch_size=16, collate_fn=_collate_as("dataclass"))
     losses = _fit(jm, loader, tmp_path, max_epochs=2).series("train/loss")
     assert len(losses) == 8 and np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+class BagWithIds(Bag):
+    """Returns the batch's ids beside its predictions (to write them out), and checks them
+    in validation."""
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        return {"id": batch["id"], "pred": self.head(self.emb(batch["tokens"]).mean(1))}
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert outputs["id"] == batch["id"]
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        h = self.emb(batch["tokens"]).mean(1)
+        return {"id": batch["id"], "label": self.head(h).argmax(-1)}
+
+
+def test_an_evaluation_step_returning_the_batchs_ids_gives_them_back(tmp_path: Path) -> None:
+    """Before: ``traced for jit returned a value of type <class 'str'>`` when
+    ``predict_step`` returned the batch's string ids. Now a field the step returns untouched
+    comes back as the DataLoader made it: ids and predictions equal plain Lightning's. (The
+    sanity check's validation batch, the first one the port sees, used to fail on the string
+    field before any of this: ``'str' object has no attribute 'shape'``.)"""
+    predictions = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = BagWithIds()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = _quiet_trainer(tmp_path / mode, max_epochs=1)
+        trainer.fit(
+            module, DataLoader(Tokens(), batch_size=16), DataLoader(Tokens(), batch_size=16)
+        )
+        predictions[mode] = trainer.predict(module, DataLoader(Tokens(), batch_size=20))
+    for want, got in zip(predictions["plain"], predictions["jax"], strict=True):
+        assert got["id"] == want["id"]
+        # (int64 argmax comes back int32: JAX runs with x64 off, docs/porting.md)
+        torch.testing.assert_close(got["label"], want["label"], check_dtype=False)

@@ -23,6 +23,7 @@ import bridge
 import jaxcore
 from jaxcore import MICRO, TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
+from torchshell._batches import host_fields_back, host_fields_out
 from torchshell._errors import ConfigError
 from torchshell.port._trace import (
     APPENDED_KEY,
@@ -224,9 +225,11 @@ class UserEvaluation:
                     f"{hook}, which takes no `dataloader_idx` argument. Fix: add "
                     "`dataloader_idx=0` to its signature (Lightning passes each loader's index)."
                 )
-        state = self.init_state(batch)
-        jbatch = self.port.specialise(hook, self._to_jax(batch), False, dataloader_idx)
+        fields = host_fields_out(batch)  # ids, paths: stand-ins in the step, back in `out`
+        state = self.init_state(fields)  # (the sanity check's batch may be the first one)
+        jbatch = self.port.specialise(hook, self._to_jax(fields), False, dataloader_idx)
         out, logs = self._eval_step_for(hook, dataloader_idx)(state, jbatch)
+        out = host_fields_back(out, batch)
         n = self._leading(batch)
         host = jax.device_get(logs)
         user = self.port.module
