@@ -261,6 +261,9 @@ def environment(reads: Reads) -> Any:
     lowerings = {
         torch.ops.aten.bincount.default: _bincount,
         torch.ops.aten._ctc_loss.Tensor: ctc_nll,  # F.ctc_loss, nn.CTCLoss
+        # (torch 2.9's own decomposition, which torchax would use, counts the target slots
+        # after the first -1: a wrong loss, silently)
+        torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss,
     }
     for aten_op, lowering in lowerings.items():
         env._ops[aten_op] = ops_registry.Operator(
@@ -300,6 +303,40 @@ def _ctc_loss(
     return _F_CTC_LOSS(
         log_probs, targets, as_tensor(input_lengths), as_tensor(target_lengths), *args, **kw
     )
+
+
+def _multilabel_margin_loss(
+    x: jax.Array, target: jax.Array, reduction: int
+) -> tuple[jax.Array, jax.Array]:
+    """``F.multilabel_margin_loss`` as torch's kernel computes it: a row's targets are its
+    class indices up to the first ``-1``; each (target j, non-target i) pair adds
+    ``max(0, 1 - x[j] + x[i]) / C``. Returns ``(loss, is_target)``.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> x = torch.tensor([[0.1, 0.2, 0.4, 0.8], [0.3, -0.2, 0.5, 0.1]])
+        >>> t = torch.tensor([[3, 0, -1, 1], [2, -1, 0, 0]])
+        >>> loss, _ = _multilabel_margin_loss(jnp.asarray(x.numpy()), jnp.asarray(t.numpy()), 1)
+        >>> round(float(loss), 5) == round(float(F.multilabel_margin_loss(x, t)), 5)
+        True
+    """
+    rows, labels = jnp.atleast_2d(x), jnp.atleast_2d(target)
+    classes = jnp.arange(rows.shape[1])
+    end = jnp.min(jnp.where(labels == -1, classes, rows.shape[1]), axis=-1, keepdims=True)
+    valid = classes < end  # [B, slot]: the slots before the first -1
+    scores = jnp.take_along_axis(rows, jnp.where(valid, labels, 0), axis=-1)  # [B, slot]
+    hit = classes[None, None, :] == jnp.where(valid, labels, -1)[:, :, None]
+    is_target = jnp.any(hit, axis=1)  # [B, class]
+    z = jnp.maximum(1.0 - scores[:, :, None] + rows[:, None, :], 0.0) / rows.shape[1]
+    z = jnp.where(valid[:, :, None] & ~is_target[:, None, :], z, 0.0)
+    per_row = z.sum(axis=(1, 2))
+    if reduction == 1:
+        loss = per_row.mean()
+    elif reduction == 2:
+        loss = per_row.sum()
+    else:
+        loss = per_row.reshape(x.shape[:-1])
+    return loss, is_target.astype(x.dtype).reshape(target.shape)
 
 
 def _bincount(x: jax.Array, weights: jax.Array | None = None, minlength: int = 0) -> jax.Array:

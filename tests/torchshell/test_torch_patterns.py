@@ -455,3 +455,55 @@ def test_a_traced_branch_in_a_logging_training_step_trains_as_plain_lightning(
         DataLoader(data, batch_size=16),
     )
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+_STOCK_LOSSES = {
+    # targets: class indices up to the first -1 (torch's own decomposition, which torchax
+    # used, counted the slots after it: a wrong loss, silently)
+    "multilabel_margin": lambda o, y, z, b: F.multilabel_margin_loss(
+        o, torch.where(b > 0, y[:, None].expand(-1, 4), -1)
+    ),
+    "triplet_margin": lambda o, y, z, b: F.triplet_margin_loss(o, z, z.flip(0)),
+    "cosine_embedding": lambda o, y, z, b: F.cosine_embedding_loss(o, z, (y % 2) * 2 - 1),
+    "gaussian_nll": lambda o, y, z, b: F.gaussian_nll_loss(o, z, torch.full_like(z, 0.5)),
+}
+
+
+class _StockLoss(L.LightningModule):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.net, self.loss = nn.Linear(8, 4), _STOCK_LOSSES[name]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, z, b = batch
+        loss = self.loss(self.net(x), y, z, b)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("name", list(_STOCK_LOSSES))
+def test_stock_torch_losses_train_as_plain_lightning(tmp_path: Path, name: str) -> None:
+    """torch losses a team picks (metric learning, multi-label, heteroscedastic): the
+    logged loss and the weights after an epoch equal plain Lightning's."""
+    from torchshell import JaxModule
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(32, 8, generator=g),
+        torch.randint(0, 4, (32,), generator=g),
+        torch.randn(32, 4, generator=g),
+        (torch.rand(32, 4, generator=g) > 0.5).float(),
+    )
+    results = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = _StockLoss(name)
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=1)
+        trainer.fit(module, DataLoader(data, batch_size=16))
+        results[mode] = (user.net.weight.detach().clone(), trainer.callback_metrics["train_loss"])
+    torch.testing.assert_close(results["jax"][0], results["plain"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results["jax"][1], results["plain"][1], rtol=1e-5, atol=1e-6)
