@@ -264,6 +264,14 @@ def environment(reads: Reads) -> Any:
         # (torch 2.9's own decomposition, which torchax would use, counts the target slots
         # after the first -1: a wrong loss, silently)
         torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss,
+        # windows built in a forward (torch.stft(x, n, window=torch.hann_window(n)))
+        **{getattr(torch.ops.aten, f"{kind}_window").default: _window(kind) for kind in _WINDOWS},
+        **{getattr(torch.ops.aten, f"{kind}_window").periodic: _window(kind) for kind in _WINDOWS},
+        torch.ops.aten.hamming_window.periodic_alpha: _window("hamming"),
+        torch.ops.aten.hamming_window.periodic_alpha_beta: _window("hamming"),
+        torch.ops.aten.mT.default: lambda x: jnp.swapaxes(x, -1, -2),  # x.mT
+        torch.ops.aten.mH.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
+        torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
     }
     for aten_op, lowering in lowerings.items():
         env._ops[aten_op] = ops_registry.Operator(
@@ -303,6 +311,42 @@ def _ctc_loss(
     return _F_CTC_LOSS(
         log_probs, targets, as_tensor(input_lengths), as_tensor(target_lengths), *args, **kw
     )
+
+
+_WINDOWS = ("hann", "hamming", "blackman", "bartlett")
+
+
+def _window(kind: str) -> Callable[..., jax.Array]:
+    """torch's ``<kind>_window(n, periodic=True, [alpha, beta], dtype=...)`` in JAX.
+
+    Example:
+        >>> import torch
+        >>> w = _window("hann")(64)
+        >>> bool(jnp.allclose(w, jnp.asarray(torch.hann_window(64).numpy()), atol=1e-6))
+        True
+    """
+
+    def window(
+        n: int, periodic: bool = True, alpha: float = 0.54, beta: float = 0.46, **kw: Any
+    ) -> jax.Array:
+        from torchax.ops import mappings
+
+        dtype = mappings.t2j_dtype(kw.get("dtype") or torch.get_default_dtype())
+        if n <= 1:
+            return jnp.ones((n,), dtype)
+        k = jnp.arange(n, dtype=jnp.float32)
+        step = 2 * jnp.pi * k / (n if periodic else n - 1)  # periodic: one of n + 1, last dropped
+        if kind == "hann":
+            w = 0.5 - 0.5 * jnp.cos(step)
+        elif kind == "hamming":
+            w = alpha - beta * jnp.cos(step)
+        elif kind == "blackman":
+            w = 0.42 - 0.5 * jnp.cos(step) + 0.08 * jnp.cos(2 * step)
+        else:  # bartlett
+            w = 1 - jnp.abs(step / jnp.pi - 1)
+        return w.astype(dtype)
+
+    return window
 
 
 def _multilabel_margin_loss(

@@ -507,3 +507,49 @@ def test_stock_torch_losses_train_as_plain_lightning(tmp_path: Path, name: str) 
         results[mode] = (user.net.weight.detach().clone(), trainer.callback_metrics["train_loss"])
     torch.testing.assert_close(results["jax"][0], results["plain"][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results["jax"][1], results["plain"][1], rtol=1e-5, atol=1e-6)
+
+
+class _STFTFrontEnd(L.LightningModule):
+    """Features computed in the forward, as speech code often writes them: ``torch.stft``
+    with a window built on the spot, a log magnitude, a conv over time (``w.mT`` too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(33, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        window = torch.hann_window(64, device=wav.device) * torch.hamming_window(64)
+        spec = torch.stft(wav, 64, 16, window=window, return_complex=True).abs()
+        h = torch.relu(self.conv(torch.log1p(spec)))  # [B, 8, T]
+        return self.head(h.mT.mean(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        wav, y = batch
+        loss = F.cross_entropy(self(wav), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_window_built_in_the_forward_trains_as_plain_lightning(tmp_path: Path) -> None:
+    """Before: ``torchax cannot lower the op aten::hann_window`` (and ``aten::mT`` for
+    ``x.mT``). Now windows (hann, hamming, blackman, bartlett) and ``mT``/``mH`` are lowered:
+    the loss and weights after an epoch equal plain Lightning's."""
+    from torchshell import JaxModule
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 800, generator=g), torch.randint(0, 4, (32,), generator=g))
+    results = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = _STFTFrontEnd()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=1)
+        trainer.fit(module, DataLoader(data, batch_size=16))
+        results[mode] = (user.state_dict(), trainer.callback_metrics["train_loss"])
+    for name, w in results["plain"][0].items():
+        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(results["jax"][1], results["plain"][1], rtol=1e-5, atol=1e-5)
