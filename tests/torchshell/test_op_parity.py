@@ -1,0 +1,190 @@
+"""torch ops run traced (torchax in coreshell's environment) against eager torch.
+
+A sweep over ops models reach for (resampling, pooling, padding, sorting, special functions,
+linear algebra, losses' building blocks, attention, STFT): one traced forward computes them
+all, and each output must equal eager torch's. torchax falls back to torch's own
+decompositions for ops it does not lower; one of those was wrong
+(``multilabel_margin_loss``), silently. This keeps the others honest across upgrades.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchshell.torch_model import torch_model_fns
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "x4": torch.randn(2, 3, 7, 9, generator=g),
+        "x3": torch.randn(2, 5, 11, generator=g),
+        "v": torch.randn(4, 10, generator=g),
+        "grid": torch.rand(2, 4, 5, 2, generator=g) * 2 - 1,
+        "ps": torch.randn(1, 8, 3, 3, generator=g),
+        "gn": torch.randn(2, 6, 5, generator=g),
+        "wt": torch.randn(3, 2, 3, 3, generator=g),
+        "c1": torch.randn(2, 4, 12, generator=g),
+        "w1": torch.randn(6, 2, 3, generator=g),
+        "sig": torch.randn(2, 400, generator=g),
+        "cs": torch.randn(1, 6, 2, 2, generator=g),
+        "q": torch.randn(1, 2, 5, 4, generator=g),
+        "am": torch.rand(5, 5, generator=g) > 0.3,
+        "theta": torch.tensor([[[0.9, 0.1, 0.0], [-0.1, 1.1, 0.2]]]),
+    }
+
+
+OPS: dict[str, Any] = {
+    "interp_bilinear": lambda t: F.interpolate(
+        t.x4, size=(10, 13), mode="bilinear", align_corners=False
+    ),
+    "interp_bilinear_ac": lambda t: F.interpolate(
+        t.x4, scale_factor=1.7, mode="bilinear", align_corners=True
+    ),
+    "interp_bicubic": lambda t: F.interpolate(
+        t.x4, size=(5, 6), mode="bicubic", align_corners=False
+    ),
+    "interp_nearest": lambda t: F.interpolate(t.x4, size=(10, 13), mode="nearest"),
+    "interp_nearest_exact": lambda t: F.interpolate(t.x4, size=(10, 13), mode="nearest-exact"),
+    "interp_area": lambda t: F.interpolate(t.x4, size=(3, 4), mode="area"),
+    "interp_linear1d": lambda t: F.interpolate(t.x3, size=17, mode="linear"),
+    "grid_sample": lambda t: F.grid_sample(t.x4, t.grid, align_corners=False),
+    "pixel_shuffle": lambda t: F.pixel_shuffle(t.ps, 2),
+    "unfold": lambda t: F.unfold(t.x4, 3, padding=1, stride=2),
+    "avgpool_ceil": lambda t: F.avg_pool2d(
+        t.x4, 3, stride=2, ceil_mode=True, count_include_pad=False
+    ),
+    "avgpool_pad": lambda t: F.avg_pool2d(t.x4, 3, stride=2, padding=1, count_include_pad=True),
+    "maxpool_dil": lambda t: F.max_pool2d(t.x4, 3, stride=2, dilation=2, ceil_mode=True),
+    "adaptive_avg": lambda t: F.adaptive_avg_pool2d(t.x4, (4, 5)),
+    "lp_pool": lambda t: F.lp_pool2d(t.x4.abs(), 2, 2),
+    "local_response_norm": lambda t: F.local_response_norm(t.x4, 2),
+    "group_norm": lambda t: F.group_norm(t.gn, 3),
+    "conv_transpose": lambda t: F.conv_transpose2d(
+        t.x4, t.wt, stride=2, output_padding=1, padding=1
+    ),
+    "conv_groups_dil": lambda t: F.conv1d(t.c1, t.w1, groups=2, dilation=2, padding="same"),
+    "pad_reflect": lambda t: F.pad(t.x4, (2, 1, 1, 2), mode="reflect"),
+    "pad_replicate": lambda t: F.pad(t.x3, (3, 2), mode="replicate"),
+    "pad_circular": lambda t: F.pad(t.x4, (2, 1, 1, 2), mode="circular"),
+    "cumprod": lambda t: torch.cumprod(t.v, 1),
+    "logcumsumexp": lambda t: torch.logcumsumexp(t.v, 1),
+    "cummax": lambda t: torch.cummax(t.v, 1).values,
+    "sort": lambda t: torch.sort(t.v, 1, descending=True).values,
+    "argsort_stable": lambda t: torch.argsort(torch.round(t.v), dim=1, stable=True).float(),
+    "topk": lambda t: torch.topk(t.v, 3, 1).values,
+    "kthvalue": lambda t: torch.kthvalue(t.v, 3, 1).values,
+    "median": lambda t: torch.median(t.v, 1).values,
+    "quantile": lambda t: torch.quantile(t.v, 0.3, dim=1),
+    "nanmean": lambda t: torch.nanmean(torch.where(t.v > 1, float("nan"), t.v), 1),
+    "bucketize": lambda t: torch.bucketize(t.v, torch.tensor([-1.0, 0.0, 1.0])).float(),
+    "renorm": lambda t: torch.renorm(t.v, 2, 0, 1.0),
+    "normalize": lambda t: F.normalize(t.v, p=1, dim=1),
+    "cdist": lambda t: torch.cdist(t.v, t.v.flip(0)),
+    "pdist": lambda t: F.pdist(t.v),
+    "erfinv": lambda t: torch.erfinv(torch.tanh(t.v) * 0.9),
+    "digamma": lambda t: torch.digamma(t.v.abs() + 0.5),
+    "lgamma": lambda t: torch.lgamma(t.v.abs() + 0.5),
+    "i0": lambda t: torch.special.i0(t.v),
+    "xlogy": lambda t: torch.xlogy(t.v.abs(), t.v.abs() + 1),
+    "atan2": lambda t: torch.atan2(t.v, t.v.flip(1)),
+    "fmod": lambda t: torch.fmod(t.v * 3, 1.3),
+    "remainder": lambda t: torch.remainder(t.v * 3, 1.3),
+    "floor_divide": lambda t: torch.floor_divide(t.v * 3, 1.3),
+    "div_trunc": lambda t: torch.div(t.v * 3, 1.3, rounding_mode="trunc"),
+    "round_dec": lambda t: torch.round(t.v, decimals=1),
+    "histc": lambda t: torch.histc(t.v, bins=5, min=-2, max=2),
+    "diff": lambda t: torch.diff(t.v, n=2, dim=1),
+    "tril_diag": lambda t: torch.tril(t.v[:, :4].reshape(2, 2, 4).repeat(1, 2, 1), diagonal=-1),
+    "diag_embed": lambda t: torch.diag_embed(t.v[:, :3], offset=1),
+    "cross": lambda t: torch.linalg.cross(t.v[:, :3], t.v[:, 3:6]),
+    "logdet": lambda t: torch.logdet(t.v[:, :4].T @ t.v[:, :4] + torch.eye(4)),
+    "solve": lambda t: torch.linalg.solve(t.v[:, :4] + 4 * torch.eye(4), t.v[:, 4:6]),
+    "inv": lambda t: torch.linalg.inv(t.v[:, :4] + 4 * torch.eye(4)),
+    "cholesky": lambda t: torch.linalg.cholesky(t.v[:, :4].T @ t.v[:, :4] + torch.eye(4)),
+    "qr_r": lambda t: torch.linalg.qr(t.v).R.abs(),
+    "svdvals": lambda t: torch.linalg.svdvals(t.v),
+    "matrix_norm": lambda t: torch.linalg.matrix_norm(t.v, "nuc"),
+    "vector_norm_inf": lambda t: torch.linalg.vector_norm(t.v, float("inf"), dim=1),
+    "std_unbiased": lambda t: torch.std(t.v, 1, correction=1),
+    "var_mean": lambda t: torch.var_mean(t.v, 1, correction=0)[0],
+    "logsumexp": lambda t: torch.logsumexp(t.v, 1),
+    "softmin": lambda t: F.softmin(t.v, 1),
+    "glu": lambda t: F.glu(t.v, 1),
+    "hardtanh": lambda t: F.hardtanh(t.v, -0.5, 0.7),
+    "celu": lambda t: F.celu(t.v, 0.7),
+    "softplus_beta": lambda t: F.softplus(t.v, beta=2, threshold=1),
+    "mish": lambda t: F.mish(t.v),
+    "gelu_tanh": lambda t: F.gelu(t.v, approximate="tanh"),
+    "threshold": lambda t: F.threshold(t.v, 0.1, 20),
+    "one_hot": lambda t: F.one_hot(torch.tensor([0, 3, 1]), 5).float(),
+    "scatter_reduce_amax": lambda t: torch.zeros(4, 3).scatter_reduce(
+        0, torch.tensor([[0, 1, 2], [0, 1, 3]]), t.v[:2, :3], "amax", include_self=False
+    ),
+    "index_add": lambda t: torch.zeros(5, 10).index_add(0, torch.tensor([0, 2, 2, 4]), t.v),
+    "masked_fill": lambda t: t.v.masked_fill(t.v > 0.5, -1.0),
+    "where_scalar": lambda t: torch.where(t.v > 0, t.v, 0.0),
+    "clamp_tensor": lambda t: torch.clamp(t.v, min=t.v.flip(0) * 0.1, max=t.v.abs() + 0.2),
+    "stft_mag": lambda t: torch.stft(
+        t.sig, 64, 16, window=torch.hann_window(64), return_complex=True
+    ).abs(),
+    "fft_rfft": lambda t: torch.fft.rfft(t.v, dim=1).abs(),
+    "einsum": lambda t: torch.einsum("bi,bj->bij", t.v[:, :3], t.v[:, 3:6]),
+    "bmm_baddbmm": lambda t: torch.baddbmm(
+        torch.ones(2, 2, 2),
+        t.v[:2, :6].reshape(2, 2, 3),
+        t.v[2:, :6].reshape(2, 3, 2),
+        beta=0.5,
+        alpha=2,
+    ),
+    "addcmul": lambda t: torch.addcmul(t.v, t.v, t.v.flip(1), value=0.3),
+    "lerp": lambda t: torch.lerp(t.v, t.v.flip(1), 0.3),
+    "hypot": lambda t: torch.hypot(t.v, t.v.flip(0)),
+    "logaddexp": lambda t: torch.logaddexp(t.v, t.v.flip(1)),
+    "sinc": lambda t: torch.sinc(t.v),
+    "nan_to_num": lambda t: torch.nan_to_num(torch.log(t.v), nan=0.0, neginf=-5.0),
+    "count_nonzero": lambda t: torch.count_nonzero(t.v > 0, dim=1).float(),
+    "affine_grid": lambda t: F.affine_grid(t.theta, (1, 1, 4, 5), align_corners=False),
+    "channel_shuffle": lambda t: F.channel_shuffle(t.cs, 3),
+    "cosine_similarity": lambda t: F.cosine_similarity(t.v, t.v.flip(0), dim=1),
+    "pairwise_distance": lambda t: F.pairwise_distance(t.v, t.v.flip(0), p=3),
+    "dropout_eval": lambda t: F.dropout(t.v, 0.5, training=False),
+    "alpha_dropout_eval": lambda t: F.alpha_dropout(t.v, 0.5, training=False),
+    "sdpa_causal": lambda t: F.scaled_dot_product_attention(
+        t.q, t.q * 0.5, t.q.flip(-1), is_causal=True
+    ),
+    "sdpa_mask_scale": lambda t: F.scaled_dot_product_attention(
+        t.q, t.q * 0.5, t.q.flip(-1), attn_mask=t.am, scale=0.3
+    ),
+}
+
+
+class _AllOps(nn.Module):
+    def forward(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        t = SimpleNamespace(**dict(zip(_inputs(), tensors, strict=True)))
+        return {name: op(t) for name, op in OPS.items()}
+
+
+def test_torch_ops_traced_equal_eager() -> None:
+    inputs = _inputs()
+    want = _AllOps()(*inputs.values())
+    fns = torch_model_fns(_AllOps(), tuple(inputs))
+    batch = {k: jnp.asarray(v.numpy()) for k, v in inputs.items()}
+    params, state = {}, {}  # (the module has no weights: init, which runs it, is not needed)
+    apply = jax.jit(lambda p, s, b: fns.apply(p, s, b, train=False, rng=jax.random.key(0)))
+    got, _ = apply(params, state, batch)
+    wrong = []
+    for name, w in want.items():
+        g = np.asarray(got[name], np.float64)
+        w_ = w.detach().double().numpy()
+        if g.shape != w_.shape or not np.allclose(g, w_, rtol=1e-4, atol=1e-4, equal_nan=True):
+            wrong.append(name)
+    assert not wrong, f"traced != eager for {wrong}"
