@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -22,12 +23,35 @@ FLAX_ROUTE = (
 )
 
 
+# plain Python errors raised inside an op's lowering (torchax or JAX code under its dispatch)
+_OP_FAILURES = (TypeError, ValueError, AttributeError, IndexError, KeyError, NotImplementedError)
+
+
+def failing_op(err: BaseException) -> str | None:
+    """The torch op whose lowering raised ``err`` (a plain Python error under torchax's
+    dispatch of that op), else ``None``."""
+    if type(err) not in _OP_FAILURES:  # (exactly: JAX's and our own errors subclass them)
+        return None
+    op = None
+    tb: types.TracebackType | None = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "dispatch" and frame.f_code.co_filename.endswith(
+            "torchax/tensor.py"
+        ):
+            func: Any = frame.f_locals.get("func")
+            op = func.name() if hasattr(func, "name") else getattr(func, "__name__", str(func))
+        tb = tb.tb_next
+    return op
+
+
 def is_lowering_error(err: BaseException) -> bool:
     """An error of tracing that :func:`lowering_error` explains."""
     return (
         type(err).__name__ == "OperatorNotFound"
         or isinstance(err, DATA_DEPENDENT)
         or (isinstance(err, AssertionError) and "mixed math" in str(err))
+        or failing_op(err) is not None
     )
 
 
@@ -58,6 +82,13 @@ def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) ->
             f"torchax cannot lower the op `{op}`, called in module {path}{at} ({mode} mode). "
             "Expected a forward made of ops torchax lowers to JAX. Fix: replace that layer "
             f"with an equivalent made of supported ops, {FLAX_ROUTE}"
+        )
+    if (failed := failing_op(err)) is not None:
+        return TorchModelError(
+            f"torchax failed to lower the op `{failed}` with these arguments, called in module "
+            f"{path}{at} ({mode} mode): {type(err).__name__}: {err}. Expected arguments its "
+            "JAX lowering supports. Fix: call it with other arguments (or an equivalent op), "
+            f"{FLAX_ROUTE}"
         )
     if isinstance(err, DATA_DEPENDENT):
         return TorchModelError(

@@ -318,6 +318,24 @@ def test_unsupported_op_fails_at_extraction_naming_op_and_module():
     assert "Flax" in message
 
 
+class BucketsPerRow(nn.Module):
+    """``torch.searchsorted`` with a 2-D sorted sequence: torchax's lowering takes 1-D only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        edges = torch.sort(x[:, :4], dim=1).values
+        return torch.searchsorted(edges, x[:, 4:8]).float()
+
+
+def test_an_op_whose_lowering_fails_is_named_not_a_bare_python_error():
+    """Before: ``ValueError: a should be 1-dimensional`` from inside torchax, nothing naming
+    the op or the module."""
+    with pytest.raises(TorchModelError) as info:
+        torch_model_fns(BucketsPerRow(), example={"x": torch.zeros(2, 64)})
+    message = str(info.value)
+    assert "aten::searchsorted" in message and "a should be 1-dimensional" in message
+    assert "<root> (BucketsPerRow)" in message and "Flax" in message
+
+
 def test_python_branch_on_the_batch_is_specialised_per_outcome():
     # `if x.sum() > 0` reads the batch on the host: one compiled step per outcome
     torch.manual_seed(7)
