@@ -3,7 +3,7 @@
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +77,39 @@ def quiet_trainer(**kwargs: Any) -> L.Trainer:
         devices=1,
         **kwargs,
     )
+
+
+def fit_plain_and_ported(
+    make: Callable[[], L.LightningModule], tmp_path: Path, *loaders: Any, **flags: Any
+) -> dict[str, tuple[L.Trainer, L.LightningModule]]:
+    """Fits ``make()`` in plain Lightning and through ``JaxModule.from_lightning`` on the same
+    loaders (each module built after ``torch.manual_seed(0)``; ``max_epochs=2`` unless other
+    flags are given): ``{"plain"|"jax": (trainer, the module fit)}``."""
+    import torch
+
+    from torchshell import JaxModule
+
+    runs = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = make()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = quiet_trainer(default_root_dir=tmp_path / mode, **(flags or {"max_epochs": 2}))
+        trainer.fit(module, *loaders)
+        runs[mode] = (trainer, module)
+    return runs
+
+
+def assert_fit_like_plain(
+    runs: dict[str, tuple[L.Trainer, L.LightningModule]], rtol: float, atol: float
+) -> None:
+    """The ported run's weights and ``callback_metrics`` equal the plain run's."""
+    import torch
+
+    plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
+    for name, w in plain.items():
+        torch.testing.assert_close(ported[name], w, rtol=rtol, atol=atol, msg=name)
+    want, got = runs["plain"][0].callback_metrics, runs["jax"][0].callback_metrics
+    assert set(got) == set(want)
+    for name, v in want.items():
+        torch.testing.assert_close(got[name], v, rtol=rtol, atol=atol, msg=name)

@@ -17,7 +17,7 @@ import torchaudio
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers import quiet_trainer
+from tests.helpers import assert_fit_like_plain, fit_plain_and_ported, quiet_trainer
 from torchshell import JaxModule
 
 
@@ -165,16 +165,7 @@ def test_a_transformers_ctc_model_trains_as_plain_lightning(tmp_path: Path) -> N
     labels = torch.randint(1, 12, (24, 6), generator=g)
     labels = torch.where(torch.arange(6) < torch.randint(1, 7, (24, 1), generator=g), labels, -100)
     data = TensorDataset(wav, mask, labels)
-    results = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = HFSpeechToText()
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=1)
-        trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=12))
-        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
-    assert set(results["jax"][1]) == {"train_loss", "val_loss"}
-    for name, v in results["plain"][1].items():
-        torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-4, atol=1e-4, msg=name)
-    for name, w in results["plain"][0].items():
-        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
+    loaders = DataLoader(data, batch_size=8), DataLoader(data, batch_size=12)
+    runs = fit_plain_and_ported(HFSpeechToText, tmp_path, *loaders, max_epochs=1)
+    assert set(runs["jax"][0].callback_metrics) == {"train_loss", "val_loss"}
+    assert_fit_like_plain(runs, rtol=1e-4, atol=1e-5)

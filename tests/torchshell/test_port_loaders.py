@@ -6,7 +6,6 @@ for an epoch-end hook."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from tests.helpers import quiet_trainer
+from tests.helpers import assert_fit_like_plain, fit_plain_and_ported, quiet_trainer
 from torchshell import JaxModule
 from torchshell._errors import ConfigError
 
@@ -93,20 +92,6 @@ def _trainer(tmp_path: Path, **flags: Any) -> L.Trainer:
     return quiet_trainer(default_root_dir=tmp_path, **(flags or {"max_epochs": 2}))
 
 
-def _both(
-    make: Callable[[], L.LightningModule], tmp_path: Path, *loaders: Any, **flags: Any
-) -> dict[str, tuple[L.Trainer, L.LightningModule]]:
-    """Fits ``make()`` plainly and through ``from_lightning`` on the same loaders."""
-    runs = {}
-    for mode in ("plain", "jax"):
-        user = make()
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = _trainer(tmp_path / mode, **flags)
-        trainer.fit(module, *loaders)
-        runs[mode] = (trainer, module)
-    return runs
-
-
 def _metrics(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
@@ -121,7 +106,7 @@ def test_several_evaluation_loaders_log_and_predict_per_loader_as_plain_lightnin
     tmp_path: Path,
 ) -> None:
     vals = [_loader(50), _loader(100, 16)]
-    runs = _both(SeveralLoaders, tmp_path, _loader(), vals)
+    runs = fit_plain_and_ported(SeveralLoaders, tmp_path, _loader(), vals)
     _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
     assert "val_loss/dataloader_idx_1" in runs["jax"][0].callback_metrics
     tests = [_loader(40), _loader(60, 20)]
@@ -149,7 +134,7 @@ def test_several_loaders_need_dataloader_idx_in_the_users_hook(tmp_path: Path) -
 
 
 def test_a_dict_of_training_loaders_trains_as_plain_lightning(tmp_path: Path) -> None:
-    runs = _both(TwoTrainLoaders, tmp_path, {"a": _loader(), "b": _loader(64, 16)})
+    runs = fit_plain_and_ported(TwoTrainLoaders, tmp_path, {"a": _loader(), "b": _loader(64, 16)})
     _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
     plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
     for name, value in plain.items():
@@ -159,7 +144,7 @@ def test_a_dict_of_training_loaders_trains_as_plain_lightning(tmp_path: Path) ->
 def test_logged_reductions_sum_max_min_mean_as_plain_lightning(tmp_path: Path) -> None:
     """100 rows in batches of 32: Lightning sums the logged values unweighted (before: each
     was weighted by its batch's rows, a sum ~25x too large)."""
-    runs = _both(Reductions, tmp_path, _loader())
+    runs = fit_plain_and_ported(Reductions, tmp_path, _loader())
     plain, ported = _metrics(runs["plain"][0]), _metrics(runs["jax"][0])
     _close(plain, ported)
     assert ported["loss_sum"] > 3 * ported["loss_mean"]  # four batches, summed
@@ -205,7 +190,9 @@ def test_accumulated_batches_weigh_equally_whatever_their_mask(tmp_path: Path) -
     """Lightning adds ``loss / accumulate_grad_batches`` per batch. Before, a user's ``mask``
     field weighed each batch by its valid tokens (weights 0.037 apart after one epoch)."""
     loader = DataLoader(Masked(), batch_size=8)
-    runs = _both(MaskedRegressor, tmp_path, loader, max_epochs=1, accumulate_grad_batches=2)
+    runs = fit_plain_and_ported(
+        MaskedRegressor, tmp_path, loader, max_epochs=1, accumulate_grad_batches=2
+    )
     plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
     for name, value in plain.items():
         torch.testing.assert_close(ported[name], value, rtol=1e-5, atol=1e-6)
@@ -231,7 +218,7 @@ class ItemLogs(Classifier):
 def test_item_and_numpy_values_log_as_plain_lightning(tmp_path: Path) -> None:
     """Before: ``self.log("acc", t.item())`` in a traced step was refused ("got a
     TracedScalar"), a numpy scalar too."""
-    runs = _both(ItemLogs, tmp_path, _loader(), _loader(50))
+    runs = fit_plain_and_ported(ItemLogs, tmp_path, _loader(), _loader(50))
     _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
 
 
@@ -277,7 +264,7 @@ def test_validation_outputs_appended_to_a_list_reach_the_epoch_end_hook(tmp_path
     """Before: the traced step appended torchax tensors that failed in the epoch-end hook
     ("torchax Tensors can only do math within the torchax environment"). Now each batch's
     values are appended on the host, as in plain Lightning."""
-    runs = _both(StepOutputs, tmp_path, _loader(), _loader(100, 25))
+    runs = fit_plain_and_ported(StepOutputs, tmp_path, _loader(), _loader(100, 25))
     _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
     assert runs["jax"][0].callback_metrics["val_batches"] == 4
     assert runs["jax"][1].port.module.validation_step_outputs == []
@@ -291,7 +278,7 @@ def test_training_outputs_appended_to_a_list_reach_the_epoch_end_hook(
     migration guide writes epoch-end aggregation this way, so a module that does must run
     unchanged: each batch's value, equal to plain Lightning's, is in the list at epoch end
     (under accumulation too: a micro-batch's own loss, before its window's step)."""
-    runs = _both(
+    runs = fit_plain_and_ported(
         lambda: StepOutputs(in_training=True),
         tmp_path,
         _loader(100, 25),
@@ -431,16 +418,9 @@ def test_epoch_means_weigh_each_batch_by_its_own_logged_batch_size(
     travels with its values: every ``callback_metrics`` value equals plain Lightning's."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g))
-    metrics = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = LogsItsBatchSize()
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = quiet_trainer(
-            default_root_dir=tmp_path / mode, max_epochs=2, accumulate_grad_batches=accumulate
-        )
-        trainer.fit(module, DataLoader(data, batch_size=16), DataLoader(data, batch_size=16))
-        metrics[mode] = dict(trainer.callback_metrics)
-    assert set(metrics["jax"]) == set(metrics["plain"]) >= {"val_loss", "train_loss_epoch"}
-    for name, v in metrics["plain"].items():
-        torch.testing.assert_close(metrics["jax"][name], v, rtol=1e-5, atol=1e-6, msg=name)
+    loaders = DataLoader(data, batch_size=16), DataLoader(data, batch_size=16)
+    runs = fit_plain_and_ported(
+        LogsItsBatchSize, tmp_path, *loaders, max_epochs=2, accumulate_grad_batches=accumulate
+    )
+    assert {"val_loss", "train_loss_epoch"} <= set(runs["plain"][0].callback_metrics)
+    assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import jaxcore
-from tests.helpers import quiet_trainer
+from tests.helpers import assert_fit_like_plain, fit_plain_and_ported, quiet_trainer
 from tests.zoo.harness import sgd_parity
 from torchshell._errors import TorchModelError
 from torchshell.torch_model import STATIC_KEY, specialise_batch, torch_model_fns
@@ -376,7 +376,6 @@ def test_ctc_loss_trains_as_plain_lightning(tmp_path: Path, kind: str) -> None:
     Lightning's, with padded targets and with torch's concatenated ones, repeated labels,
     empty targets, (zero_infinity) an input too short for its labels, and lengths given as a
     Python list."""
-    from torchshell import JaxModule
 
     g = torch.Generator().manual_seed(0)
     n, t, s = 48, 16, 5
@@ -389,19 +388,10 @@ def test_ctc_loss_trains_as_plain_lightning(tmp_path: Path, kind: str) -> None:
         frames[5], label_lengths[5], labels[5] = 3, 5, 1  # no alignment: 0 with zero_infinity
     data = TensorDataset(torch.randn(n, t, 8, generator=g), frames, labels, label_lengths)
     collate = _concatenate_labels if concatenated else None
-    results = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = _CTCHead(kind)
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=2)
-        trainer.fit(module, DataLoader(data, batch_size=16, collate_fn=collate))
-        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
-    for name, w in results["plain"][0].items():
-        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
-    for name, v in results["plain"][1].items():
-        assert torch.isfinite(v), name
-        torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-5, atol=1e-5, msg=name)
+    loader = DataLoader(data, batch_size=16, collate_fn=collate)
+    runs = fit_plain_and_ported(lambda: _CTCHead(kind), tmp_path, loader, max_epochs=2)
+    assert all(torch.isfinite(v) for v in runs["plain"][0].callback_metrics.values())
+    assert_fit_like_plain(runs, rtol=1e-4, atol=1e-5)
 
 
 class _LayerDrop(L.LightningModule):
@@ -437,18 +427,8 @@ def test_a_traced_branch_in_a_logging_training_step_trains_as_plain_lightning(
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
-    results = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = _LayerDrop(0.0)
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=2)
-        trainer.fit(module, DataLoader(data, batch_size=16))
-        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
-    for name, w in results["plain"][0].items():
-        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-5, atol=1e-6, msg=name)
-    for name, v in results["plain"][1].items():
-        torch.testing.assert_close(results["jax"][1][name], v, rtol=1e-5, atol=1e-6, msg=name)
+    runs = fit_plain_and_ported(lambda: _LayerDrop(0.0), tmp_path, DataLoader(data, batch_size=16))
+    assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)
     trainer = quiet_trainer(default_root_dir=tmp_path / "drop", max_epochs=1)
     trainer.fit(
         JaxModule.from_lightning(_LayerDrop(0.5), print_summary=False),
@@ -488,7 +468,6 @@ class _StockLoss(L.LightningModule):
 def test_stock_torch_losses_train_as_plain_lightning(tmp_path: Path, name: str) -> None:
     """torch losses a team picks (metric learning, multi-label, heteroscedastic): the
     logged loss and the weights after an epoch equal plain Lightning's."""
-    from torchshell import JaxModule
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -497,16 +476,9 @@ def test_stock_torch_losses_train_as_plain_lightning(tmp_path: Path, name: str) 
         torch.randn(32, 4, generator=g),
         (torch.rand(32, 4, generator=g) > 0.5).float(),
     )
-    results = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = _StockLoss(name)
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=1)
-        trainer.fit(module, DataLoader(data, batch_size=16))
-        results[mode] = (user.net.weight.detach().clone(), trainer.callback_metrics["train_loss"])
-    torch.testing.assert_close(results["jax"][0], results["plain"][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results["jax"][1], results["plain"][1], rtol=1e-5, atol=1e-6)
+    loader = DataLoader(data, batch_size=16)
+    runs = fit_plain_and_ported(lambda: _StockLoss(name), tmp_path, loader, max_epochs=1)
+    assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)
 
 
 class _STFTFrontEnd(L.LightningModule):
@@ -538,18 +510,9 @@ def test_a_window_built_in_the_forward_trains_as_plain_lightning(tmp_path: Path)
     """Before: ``torchax cannot lower the op aten::hann_window`` (and ``aten::mT`` for
     ``x.mT``). Now windows (hann, hamming, blackman, bartlett) and ``mT``/``mH`` are lowered:
     the loss and weights after an epoch equal plain Lightning's."""
-    from torchshell import JaxModule
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 800, generator=g), torch.randint(0, 4, (32,), generator=g))
-    results = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = _STFTFrontEnd()
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = quiet_trainer(default_root_dir=tmp_path / mode, max_epochs=1)
-        trainer.fit(module, DataLoader(data, batch_size=16))
-        results[mode] = (user.state_dict(), trainer.callback_metrics["train_loss"])
-    for name, w in results["plain"][0].items():
-        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
-    torch.testing.assert_close(results["jax"][1], results["plain"][1], rtol=1e-5, atol=1e-5)
+    loader = DataLoader(data, batch_size=16)
+    runs = fit_plain_and_ported(_STFTFrontEnd, tmp_path, loader, max_epochs=1)
+    assert_fit_like_plain(runs, rtol=1e-4, atol=1e-5)

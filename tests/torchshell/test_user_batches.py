@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from jaxcore import BatchError
+from tests.helpers import assert_fit_like_plain, fit_plain_and_ported
 from tests.torchshell.test_port import Recorder
 from torchshell import JaxModule
 from torchshell._errors import ConfigError
@@ -733,19 +734,8 @@ def test_a_collate_that_builds_its_own_batch_type_trains_as_plain_lightning(
     dataclass): JAX took the whole batch for one leaf. Now such container types become pytree
     nodes at the hand-over and the step gets the type the collate built: the weights and the
     logged loss equal plain Lightning's."""
-    results = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = ReadsItsBatch()
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = _quiet_trainer(tmp_path / mode, max_epochs=2)
-        trainer.fit(module, DataLoader(_rows(), batch_size=16, collate_fn=_collate_as(kind)))
-        results[mode] = (user.state_dict(), dict(trainer.callback_metrics))
-    for name, w in results["plain"][0].items():
-        torch.testing.assert_close(results["jax"][0][name], w, rtol=1e-4, atol=1e-5, msg=name)
-    torch.testing.assert_close(
-        results["jax"][1]["train_loss"], results["plain"][1]["train_loss"], rtol=1e-5, atol=1e-6
-    )
+    loader = DataLoader(_rows(), batch_size=16, collate_fn=_collate_as(kind))
+    assert_fit_like_plain(fit_plain_and_ported(ReadsItsBatch, tmp_path, loader), 1e-4, 1e-5)
 
 
 def test_a_flax_model_reads_a_dataclass_batch_by_field_name(tmp_path: Path) -> None:
@@ -783,16 +773,12 @@ def test_an_evaluation_step_returning_the_batchs_ids_gives_them_back(tmp_path: P
     comes back as the DataLoader made it: ids and predictions equal plain Lightning's. (The
     sanity check's validation batch, the first one the port sees, used to fail on the string
     field before any of this: ``'str' object has no attribute 'shape'``.)"""
-    predictions = {}
-    for mode in ("plain", "jax"):
-        torch.manual_seed(0)
-        user = BagWithIds()
-        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
-        trainer = _quiet_trainer(tmp_path / mode, max_epochs=1)
-        trainer.fit(
-            module, DataLoader(Tokens(), batch_size=16), DataLoader(Tokens(), batch_size=16)
-        )
-        predictions[mode] = trainer.predict(module, DataLoader(Tokens(), batch_size=20))
+    loaders = DataLoader(Tokens(), batch_size=16), DataLoader(Tokens(), batch_size=16)
+    runs = fit_plain_and_ported(BagWithIds, tmp_path, *loaders, max_epochs=1)
+    predictions = {
+        mode: trainer.predict(module, DataLoader(Tokens(), batch_size=20))
+        for mode, (trainer, module) in runs.items()
+    }
     for want, got in zip(predictions["plain"], predictions["jax"], strict=True):
         assert got["id"] == want["id"]
         # (int64 argmax comes back int32: JAX runs with x64 off, docs/porting.md)
