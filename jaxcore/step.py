@@ -161,6 +161,7 @@ def make_train_step(
     weigh_rows: bool = True,
     unrolled_micro: bool = False,
     per_micro: bool = False,
+    grads_fn: Callable[[TrainState, PyTree], tuple[PyTree, Metrics]] | None = None,
 ) -> Step:
     """A jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -201,6 +202,11 @@ def make_train_step(
         per_micro: with ``stacked_micro``/``unrolled_micro``, the metrics also hold each
             micro-batch's own values, ``MICRO + name`` of shape ``[m]`` (the loss's
             excluded: it is the step's).
+        grads_fn: ``(state, grads) -> (grads, metrics)``, run on the step's gradients
+            (the mean over its micro-batches, after ``grad_scale``) before the optimizer
+            sees them (clipping lives in ``tx``, after it): it may change them and report
+            metrics, merged into the step's (a Lightning module's
+            ``on_before_optimizer_step``). ``state`` is the state before the update.
 
     The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
     ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
@@ -292,10 +298,14 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / denom, grads)
         if grad_scale != 1.0:
             grads = jax.tree.map(lambda g: g * grad_scale, grads)
+        hook_metrics: Metrics = {}
+        if grads_fn is not None:
+            grads, hook_metrics = grads_fn(state, grads)
         loss = loss_sum / denom
         metrics = {
             "loss": loss,
             **{name: v if name.startswith(TOTAL) else v / denom for name, v in sums.items()},
+            **hook_metrics,
         }
         if per_micro and micro_sums is not None:
             each_sums, each_count = micro_sums

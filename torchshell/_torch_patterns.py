@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -398,6 +399,12 @@ def _bincount(x: jax.Array, weights: jax.Array | None = None, minlength: int = 0
     return counts if weights is not None else counts.astype(jnp.int32)
 
 
+def _not_data_copy(record: logging.LogRecord) -> bool:
+    """torchax's note that ``t.data`` copies on TPU: about eager runs, not a traced step
+    (``lightning.pytorch.utilities.grad_norm`` reads ``p.grad.data``)."""
+    return not record.getMessage().startswith("In-place to .data modifications")
+
+
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """Constant folding on and torch's fused fast paths off, for the duration of a trace.
@@ -410,6 +417,8 @@ def tracing() -> Iterator[None]:
     torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
     checks = _metric_checks()
     losses = {(F, name): getattr(F, name) for name in ("cross_entropy", "nll_loss")}
+    torchax_log = logging.getLogger("torchax.tensor")
+    torchax_log.addFilter(_not_data_copy)
     try:
         for module, name in checks:
             setattr(module, name, _no_check)
@@ -421,6 +430,7 @@ def tracing() -> Iterator[None]:
         for (module, name), check in {**checks, **losses}.items():
             setattr(module, name, check)
         torch.backends.mha.set_fastpath_enabled(fast)
+        torchax_log.removeFilter(_not_data_copy)
 
 
 def check_class_target(loss: str, input_ndim: int, target: Any) -> None:

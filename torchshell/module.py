@@ -332,7 +332,12 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             weigh_rows=self._weigh_rows,
             unrolled_micro=ragged,
             per_micro=window and not self._weigh_rows,  # Lightning's per-batch self.log
+            grads_fn=self._grads_fn(),
         )
+
+    def _grads_fn(self) -> Any:
+        """What runs on the step's gradients before the optimizer (``make_train_step``)."""
+        return None
 
     def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
         """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""

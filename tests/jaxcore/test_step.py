@@ -179,3 +179,35 @@ def test_a_ragged_accumulation_window_unrolls_like_stacked_micro_batches(init16)
     state, ragged, sharding = step(unrolled_micro=True)
     _, m3 = ragged(state, (put(batch, sharding), put(second, sharding)))  # 16 then 8 rows
     assert m3[each].shape == (2,) and ragged.compiles == 1
+
+
+def test_grads_fn_sees_the_steps_mean_gradients_and_may_change_them(init16):
+    """``grads_fn`` gets the accumulated mean gradients (those of the full batch), its
+    metrics join the step's, and the gradients it returns are the ones applied."""
+    model, batch = mlp_case(rows=32)
+    mesh = _mesh()
+
+    def norm_and_zero(state, grads):
+        norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+        return jax.tree.map(jnp.zeros_like, grads), {"grad_norm": norm}
+
+    init, full, sharding = setup(model, batch, mesh, state=init16)
+    _, seen = full(init, put(batch, sharding))
+    init2, hooked, _ = setup(
+        model, batch, mesh, accum_steps=4, state=init16, grads_fn=norm_and_zero
+    )
+    before = jax.tree.map(np.asarray, init2.params)
+    state, metrics = hooked(init2, put(batch, sharding))
+    grads = jax.grad(lambda p: _mean_loss(model, p, init16, batch))(before)
+    want = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=1e-5)
+    assert float(metrics["loss"]) == pytest.approx(float(seen["loss"]), rel=1e-5)
+    # zero gradients: AdamW moves the weights by weight decay alone
+    decay = jax.tree.map(lambda p: p * (1 - 1e-2 * 1e-4), before)
+    _close(state.params, decay, rtol=1e-6)
+
+
+def _mean_loss(model, params, state, batch):
+    outputs, _ = model.apply(params, state.model_state, batch, state.rng, True)
+    losses, _ = jaxcore.softmax_cross_entropy(outputs, batch)
+    return jnp.mean(losses)

@@ -463,11 +463,76 @@ def test_no_torch_optimizer_warnings_from_lightning(tmp_path: Path) -> None:
 
 def test_a_module_with_torch_optimizer_hooks_is_refused() -> None:
     class Hooked(Tagger):
-        def on_after_backward(self) -> None:
+        def on_before_backward(self, loss: torch.Tensor) -> None:
             pass
 
-    with pytest.raises(ConfigError, match=r"on_after_backward.*Fix"):
+    with pytest.raises(ConfigError, match=r"on_before_backward.*Fix"):
         JaxModule.from_lightning(Hooked())
+
+
+class GradHooks(L.LightningModule):
+    """Lightning's documented gradient hooks: norms logged (``grad_norm``), an in-place clip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        norms = grad_norm(self.net, norm_type=2)
+        self.log_dict(norms)
+        self.log("norm_epoch", norms["grad_2.0_norm_total"], on_step=False, on_epoch=True)
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)  # (it changes the update)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class GradHooksAfter(GradHooks):
+    def on_after_backward(self) -> None:
+        self.log("grad_max", max(p.grad.abs().max() for p in self.parameters()))
+
+
+@pytest.mark.parametrize(("after", "accumulate"), [(True, 1), (False, 3)])
+def test_gradient_hooks_run_on_the_steps_gradients(
+    tmp_path: Path, after: bool, accumulate: int
+) -> None:
+    """on_after_backward / on_before_optimizer_step see the step's gradients (under
+    accumulate_grad_batches the window's, a ragged last window too), log through self.log and
+    may change them in place: every logged value and weight equals plain Lightning's."""
+    from tests.helpers import fit_plain_and_ported
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(100, 8, generator=g), torch.randint(0, 3, (100,), generator=g))
+    runs = fit_plain_and_ported(
+        GradHooksAfter if after else GradHooks,
+        tmp_path,
+        DataLoader(data, batch_size=16),
+        max_epochs=2,
+        accumulate_grad_batches=accumulate,
+    )
+    plain, ported = runs["plain"][1].state_dict(), runs["jax"][1].torch_state_dict()
+    for name, w in plain.items():
+        torch.testing.assert_close(ported[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    want, got = runs["plain"][0].callback_metrics, runs["jax"][0].callback_metrics
+    assert "grad_2.0_norm_total" in want and ("grad_max" in want) == after
+    for name, v in want.items():
+        torch.testing.assert_close(got[name], v, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_on_after_backward_under_accumulation_is_refused(tmp_path: Path) -> None:
+    module = JaxModule.from_lightning(GradHooksAfter(), print_summary=False)
+    loader = DataLoader(TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,))), 16)
+    trainer = _trainer(tmp_path, max_steps=2, accumulate_grad_batches=2)
+    with pytest.raises(ConfigError, match=r"on_after_backward.*accumulate_grad_batches=2.*Fix"):
+        trainer.fit(module, loader)
 
 
 def test_one_line_port_example_runs(tmp_path: Path) -> None:

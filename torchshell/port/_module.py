@@ -43,7 +43,7 @@ from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_rules import TorchOptState
 from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
-from torchshell.port._trace import LightningPort, host_tensors
+from torchshell.port._trace import GRADS_HOOKS, LightningPort, host_tensors
 from torchshell.port._user import UserEvaluation, UserMetrics
 
 __all__ = ["LightningParts"]
@@ -83,14 +83,13 @@ _DATA_HOOKS = (
     "test_dataloader",
     "predict_dataloader",
 )
-# Hooks that run torch code on gradients or around the torch optimizer: the JAX step has no
-# place to run them, so a module that overrides one is refused rather than half-trained.
+# Hooks that run torch code around the backward pass or the torch optimizer: the JAX step has
+# no place to run them, so a module that overrides one is refused rather than half-trained.
+# (on_after_backward/on_before_optimizer_step run traced on the step's gradients: GRADS_HOOKS.)
 _OPTIMIZER_HOOKS = (
     "backward",
     "on_before_zero_grad",
     "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
     "configure_gradient_clipping",
     "optimizer_step",
     "lr_scheduler_step",
@@ -504,6 +503,24 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
             return MicroBatches(self._placed(b, stacked=False) for b in batches)
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *batches)
         return self._placed(stacked, stacked=True)
+
+    def _grads_fn(self) -> Any:
+        """The module's ``on_after_backward``/``on_before_optimizer_step``, traced on the
+        step's gradients (``LightningPort.grads_fn``), or ``None`` when it has neither."""
+        hooks = tuple(hook for hook in GRADS_HOOKS if self.port.overrides(hook))
+        if not hooks:
+            return None
+        if "on_after_backward" in hooks and self.flags.accumulate > 1:
+            raise ConfigError(
+                f"{type(self.port.module).__name__}.on_after_backward with "
+                f"accumulate_grad_batches={self.flags.accumulate}: Lightning runs it after "
+                "each batch's backward, on partly accumulated gradients, which the compiled "
+                "step never holds (it sums the window's gradients at once). Fix: move the "
+                "code to on_before_optimizer_step (the window's gradients), or "
+                "accumulate_grad_batches=1."
+            )
+        optimizers = self.trainer.optimizers if self._trainer is not None else []
+        return self.port.grads_fn(hooks, optimizers[0] if optimizers else None)
 
     def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
         if self.steps_per_call > 1:

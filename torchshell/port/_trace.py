@@ -35,6 +35,7 @@ from torchshell.torch_model import TorchTracer
 
 __all__ = [
     "APPENDED_KEY",
+    "GRADS_HOOKS",
     "HOOKS",
     "METRIC_KEY",
     "LightningPort",
@@ -53,7 +54,13 @@ HOOKS = {
     "validation_step": (False, True),
     "test_step": (False, True),
     "predict_step": (False, False),
+    "on_after_backward": (True, False),
+    "on_before_optimizer_step": (True, False),
 }
+# Hooks that read (and may change) the gradients before the optimizer step: run traced on
+# the step's gradients (LightningPort.grads_fn), their logs kept under GRADS_HOOK.
+GRADS_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+GRADS_HOOK = "on_before_optimizer_step"
 _REDUCE = ("mean", "sum", "max", "min")
 _METRIC_METHODS = ("forward", "update", "compute", "_cast_and_nan_check_input")
 # torchmetrics objects run in these (their batch states added to the real metric on the host)
@@ -392,7 +399,7 @@ class LightningPort:
         user_class = type(self.module)
         read: set[str] = set()
         self.module.__class__ = _counting_class(user_class, read)
-        groups = self._watch_lr(read) if hook == "training_step" else []
+        groups = self._watch_lr(read) if hook in ("training_step", *GRADS_HOOKS) else []
         try:
             yield
         finally:
@@ -519,7 +526,11 @@ class LightningPort:
 
         ``predict_step`` returns outputs, it logs nothing: run the metric on them on the host.
         """
-        why = "predict_step logs nothing; a metric there has no epoch to report to"
+        why = (
+            "predict_step logs nothing; a metric there has no epoch to report to"
+            if hook == "predict_step"
+            else "it runs on the gradients, once per optimizer step; log tensors there"
+        )
         metrics = []
         for path, metric in self.module.named_modules():
             if isinstance(metric, Metric):
@@ -561,14 +572,7 @@ class LightningPort:
         specs: dict[str, LogSpec] = {}
         logs: dict[str, jax.Array] = {}
         for (spec, _), value in zip(records, values, strict=True):
-            array = jnp.asarray(value, jnp.float32)
-            if array.size != 1:
-                raise ConfigError(
-                    f"self.log({spec.name!r}) in {hook} got a tensor of shape "
-                    f"{tuple(array.shape)}; Lightning logs scalars. Fix: log a reduced value "
-                    "(e.g. .mean())."
-                )
-            specs[spec.name], logs[spec.name] = spec, array.reshape(())
+            specs[spec.name], logs[spec.name] = spec, self._scalar(spec.name, hook, value)
             if spec.batch_size:  # (often the traced batch's rows: one value per compiled shape)
                 logs[f"{BATCH_SIZE_KEY}{spec.name}"] = jnp.asarray(spec.batch_size, jnp.float32)
         for i, arrays in enumerate(states):  # a metric's batch states, for the host
@@ -616,6 +620,68 @@ class LightningPort:
             )
 
         return fn
+
+    def grads_fn(self, hooks: tuple[str, ...], optimizer: Any) -> Any:
+        """The module's gradient hooks as a ``(state, grads) -> (grads, logs)`` JAX function.
+
+        For :func:`jaxcore.make_train_step`'s ``grads_fn``: each parameter's ``.grad`` holds
+        the step's gradient (as after Lightning's backward pass), then ``hooks`` run in
+        order (``on_after_backward()``, ``on_before_optimizer_step(optimizer)``) with
+        ``self.log`` captured; what they leave in ``.grad`` (an in-place clip or scale) goes
+        to the optimizer. The logs come back as ``log/<name>`` values; their options in
+        ``self.specs[GRADS_HOOK]``.
+        """
+        records: list[tuple[LogSpec, Any]] = []
+        owner = type(self.module).__name__
+
+        def fn(grads: dict[str, Any]) -> Any:
+            del records[:]  # (each path of a traced branch runs the hooks again)
+            named = dict(self.module.named_parameters())
+            for name, grad in grads.items():
+                named[name].grad = grad
+            try:
+                for hook in hooks:
+                    args = (optimizer,) if hook == "on_before_optimizer_step" else ()
+                    with self._capture(hook, records, []), torch.autocast("cpu", enabled=False):
+                        getattr(self.module, hook)(*args)
+                new = {name: named[name].grad for name in grads}
+            finally:
+                for param in named.values():
+                    param.grad = None
+            if gone := sorted(name for name, grad in new.items() if grad is None):
+                raise ConfigError(
+                    f"{owner}.{'/'.join(hooks)} set the gradient of {gone[:3]} to None: torch "
+                    "would skip those parameters' update, which a compiled step cannot "
+                    "choose per step. Fix: zero the gradient (p.grad.zero_()) or freeze the "
+                    "parameter (requires_grad=False) before training."
+                )
+            return new, [value for _, value in records]
+
+        def run(state: Any, grads: PyTree) -> tuple[PyTree, dict[str, jax.Array]]:
+            (new, values), _ = self.tracer.call(
+                fn, state.params, state.model_state, [dict(grads)], state.rng, True
+            )
+            specs, logs = {}, {}
+            for (spec, _), value in zip(records, values, strict=True):
+                specs[spec.name] = spec
+                logs[f"log/{spec.name}"] = self._scalar(spec.name, GRADS_HOOK, value)
+                if spec.batch_size:
+                    logs[f"log/{BATCH_SIZE_KEY}{spec.name}"] = jnp.float32(spec.batch_size)
+            self.specs[GRADS_HOOK] = specs
+            new = {k: v.astype(grads[k].dtype).reshape(grads[k].shape) for k, v in new.items()}
+            return new, logs
+
+        return run
+
+    @staticmethod
+    def _scalar(name: str, hook: str, value: Any) -> jax.Array:
+        array = jnp.asarray(value, jnp.float32)
+        if array.size != 1:
+            raise ConfigError(
+                f"self.log({name!r}) in {hook} got a tensor of shape {tuple(array.shape)}; "
+                "Lightning logs scalars. Fix: log a reduced value (e.g. .mean())."
+            )
+        return array.reshape(())
 
     def specialise(
         self, hook: str, batch: PyTree, train: bool, dataloader_idx: int | None = None

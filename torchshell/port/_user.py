@@ -28,6 +28,7 @@ from torchshell._errors import ConfigError
 from torchshell.port._trace import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,
+    GRADS_HOOK,
     METRIC_KEY,
     LogSpec,
     add_metric_states,
@@ -62,7 +63,8 @@ class UserMetrics:
     _micro_rows: list[int]
 
     def _train_specs(self) -> dict[str, LogSpec]:
-        return self.port.specs["training_step"]
+        # (what on_after_backward/on_before_optimizer_step log is reported as a step's value)
+        return {**self.port.specs["training_step"], **self.port.specs[GRADS_HOOK]}
 
     def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {"train/loss": metrics["loss"]}
@@ -101,11 +103,15 @@ class UserMetrics:
         if not epoch:
             return
         new = {}
+        # logged once per optimizer step (on_before_optimizer_step): Lightning weighs it by
+        # the batch it ran after, an accumulation window's last one
+        once = set(self.port.specs[GRADS_HOOK]) - set(self.port.specs["training_step"])
         for name, spec in epoch.items():
             each = metrics.get(f"{MICRO}log/{name}")  # accumulated batches: each its own
             size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
             if each is None:
-                v, rows = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:], [rows_]
+                v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:]
+                rows = self._micro_rows[-1:] if name in once and self._micro_rows else [rows_]
                 given = metrics.get(size)
                 given = None if given is None else jnp.reshape(given, (-1,))[-1:]
             else:
