@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import itertools
 from typing import Any
 
@@ -53,9 +55,13 @@ def params_to_state_dict(
         module.named_parameters(remove_duplicate=False), module.named_buffers()
     ):
         canonical.setdefault(id(t), name)
-    out: dict[str, torch.Tensor] = {}
+    reference = module.state_dict(keep_vars=True)
+    # torch's own state_dict type, with the modules' versions (``_metadata``) that their
+    # ``_load_from_state_dict`` reads (torchvision's MNASNet refuses a dict without them)
+    out: dict[str, torch.Tensor] = collections.OrderedDict()
+    out._metadata = copy.deepcopy(getattr(reference, "_metadata", None))  # type: ignore[attr-defined]
     missing, wrong = [], []
-    for key, ref in module.state_dict(keep_vars=True).items():
+    for key, ref in reference.items():
         src = canonical.get(id(ref), key)
         if src not in tensors:
             missing.append(key)
@@ -65,7 +71,7 @@ def params_to_state_dict(
             wrong.append(f"{key}: {tuple(t.shape)} vs module {tuple(ref.shape)}")
             continue
         out[key] = t.to(ref.dtype)
-    used = {canonical.get(id(r), k) for k, r in module.state_dict(keep_vars=True).items()}
+    used = {canonical.get(id(r), k) for k, r in reference.items()}
     unexpected = sorted(set(tensors) - used)
     if missing or wrong or unexpected:
         raise TorchModelError(

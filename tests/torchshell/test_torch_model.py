@@ -411,3 +411,18 @@ def test_torch_module_trains_under_lightning_and_exports_into_itself():
     with torch.no_grad():
         torch_logits = torch.cat([net(b["x"]) for b in dm.test_dataloader()])
     np.testing.assert_allclose(jax_logits.numpy(), torch_logits.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_exported_state_dict_carries_the_module_versions_torch_loading_reads() -> None:
+    """torchvision's MNASNet reads its version from ``state_dict._metadata`` when loading and
+    refuses a dict without one: the export is torch's own type with the module's versions."""
+    import torchvision
+
+    net = torchvision.models.mnasnet0_5(num_classes=3)
+    fns = torch_model_fns(net)
+    params, state = fns.init(jax.random.key(0), {"x": jnp.ones((2, 3, 32, 32))})
+    sd = params_to_state_dict(params, state, net)
+    assert sd._metadata[""] == net.state_dict()._metadata[""]  # type: ignore[attr-defined]
+    fresh = torchvision.models.mnasnet0_5(num_classes=3)
+    fresh.load_state_dict(sd, strict=True)
+    torch.testing.assert_close(fresh.state_dict(), net.state_dict())
