@@ -753,3 +753,47 @@ def test_from_torch_specialises_a_scalar_read_from_the_batch(tmp_path: Path) -> 
     trainer.fit(jm, DataLoader(TensorDataset(x, n, y), batch_size=16))
     assert trainer.global_step == 2 and jm._train_step is not None
     assert jm._train_step.recompiles == 1  # one compile per distinct length
+
+
+class ReadsWeights(L.LightningModule):
+    """Host hooks that read the weights: a batch hook's norm, an epoch-end sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.norms: list[float] = []
+        self.samples: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx % 2:  # (every other batch reads them)
+            self.norms.append(float(sum(p.detach().norm() for p in self.parameters())))
+
+    def on_train_epoch_end(self) -> None:
+        with torch.no_grad():
+            self.samples.append(self(torch.ones(2, 8)))
+        self.log("first_weight", self.net[0].weight[0, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_host_hooks_read_the_trained_weights(tmp_path: Path) -> None:
+    """A hook the user runs on the host sees the weights trained so far, as in plain
+    Lightning (they are copied from the JAX state on the hook's first read of them)."""
+    from tests.helpers import assert_fit_like_plain, fit_plain_and_ported
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    runs = fit_plain_and_ported(ReadsWeights, tmp_path, DataLoader(data, batch_size=16))
+    plain, ported = runs["plain"][1], runs["jax"][1].torch_module
+    assert len(ported.norms) == len(plain.norms) == 4
+    np.testing.assert_allclose(ported.norms, plain.norms, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(ported.samples), torch.stack(plain.samples))
+    assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)

@@ -45,6 +45,7 @@ from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
 from torchshell.port._trace import GRADS_HOOKS, LightningPort, host_tensors
 from torchshell.port._user import UserEvaluation, UserMetrics
+from torchshell.port._weights import synced_on_read
 
 __all__ = ["LightningParts"]
 
@@ -148,6 +149,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self._map_key: tuple[Any, ...] | None = None
         self._epoch: dict[str, Any] | None = None
         self._restore_weights: Mapping[str, torch.Tensor] | None = None
+        self._synced: Any = None  # the state whose weights the user's module holds
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
         self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
@@ -201,7 +203,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
             user = self.port.module
             user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
             try:
-                return theirs(*args, **kwargs)
+                with synced_on_read(user, self._sync_user_weights):
+                    return theirs(*args, **kwargs)
             finally:
                 del user.log, user.log_dict
 
@@ -231,9 +234,14 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         team does next; the parameters are updated in place, so references to them stay.)
         """
         super().on_fit_end()
-        if self.state is not None:
+        self._sync_user_weights()
+
+    def _sync_user_weights(self) -> None:
+        """The trained weights into the user's module, in place (once per state)."""
+        if self.state is not None and self._synced is not self.state:
             with torch.no_grad():
                 self.port.module.load_state_dict(self.torch_state_dict(), strict=True)
+            self._synced = self.state
 
     # -- optimizer ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
