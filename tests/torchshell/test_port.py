@@ -785,15 +785,29 @@ class ReadsWeights(L.LightningModule):
 
 
 def test_host_hooks_read_the_trained_weights(tmp_path: Path) -> None:
-    """A hook the user runs on the host sees the weights trained so far, as in plain
-    Lightning (they are copied from the JAX state on the hook's first read of them)."""
+    """A hook the user runs on the host, and a callback calling ``pl_module(x)``, see the
+    weights trained so far, as in plain Lightning (copied from the JAX state when read)."""
     from tests.helpers import assert_fit_like_plain, fit_plain_and_ported
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
-    runs = fit_plain_and_ported(ReadsWeights, tmp_path, DataLoader(data, batch_size=16))
+    seen: dict[str, list[torch.Tensor]] = {"plain": [], "jax": []}
+
+    class Sampler(L.Callback):  # a callback's pl_module: called, its submodules read
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            with torch.no_grad():
+                out = pl_module(torch.ones(2, 8))
+            kind = "plain" if isinstance(pl_module, ReadsWeights) else "jax"
+            seen[kind] += [out, pl_module.net[2].bias.detach().clone()]
+
+    runs = fit_plain_and_ported(
+        ReadsWeights, tmp_path, DataLoader(data, batch_size=16), max_epochs=2, callbacks=[Sampler()]
+    )
     plain, ported = runs["plain"][1], runs["jax"][1].torch_module
     assert len(ported.norms) == len(plain.norms) == 4
     np.testing.assert_allclose(ported.norms, plain.norms, rtol=1e-5)
     torch.testing.assert_close(torch.stack(ported.samples), torch.stack(plain.samples))
+    assert len(seen["jax"]) == len(seen["plain"]) == 4
+    for got, want in zip(seen["jax"], seen["plain"], strict=True):
+        torch.testing.assert_close(got, want)
     assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)

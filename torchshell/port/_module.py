@@ -243,6 +243,29 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 self.port.module.load_state_dict(self.torch_state_dict(), strict=True)
             self._synced = self.state
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's module called on the host with the weights trained so far.
+
+        What a callback's ``pl_module(x)`` runs (sampling at an epoch's end), as in plain
+        Lightning; the training and evaluation steps never call it (they are traced).
+        """
+        self._sync_user_weights()
+        return self.port.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """The user's module's own attributes (``pl_module.net``, ``pl_module.my_setting``
+        in a callback), its weights the trained ones; private names are not forwarded."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            port = self.__dict__.get("port")
+            if port is None or name.startswith("_") or not hasattr(port.module, name):
+                raise
+        value = getattr(port.module, name)
+        if isinstance(value, torch.nn.Module | torch.Tensor):
+            self._sync_user_weights()
+        return value
+
     # -- optimizer ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         """The user's own optimizer and schedulers, handed to Lightning as plain objects.
