@@ -89,7 +89,7 @@ class _Shared(L.LightningModule):
     _one_step_view: Callable[[Any], tuple[Any, Any, int]]
     torch_state_dict: Callable[..., dict[str, torch.Tensor]]
     _outputs_wanted: Callable[[], bool]
-    _outputs_ahead: Callable[[Any, int], dict[str, Any] | None]
+    _outputs_ahead: Callable[[Any, int, Any], dict[str, Any] | None]
     _step_forward: Callable[[Any, int], tuple[Any, jax.Array]]
 
 

@@ -376,7 +376,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         loop never waits for the device.
         """
         t0 = time.perf_counter()
-        batch = self._prepare(batch)
+        raw, batch = batch, self._prepare(batch)
         if self.nan_policy == "stop":
             check_finite(batch)
         m = self.flags.accumulate
@@ -394,7 +394,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
                     f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
                     "keep accumulate_grad_batches and set the other two to 1."
                 )
-            ahead = self._outputs_ahead(batch, len(self._window))
+            ahead = self._outputs_ahead(batch, len(self._window), raw)
             window = self._window_batch(batch)
             if window is None:
                 self.train_log.compute += time.perf_counter() - t0
@@ -404,7 +404,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         else:
             jbatch, one, rows_ = self._one_step_view(batch)
             micro, steps = self.accum_steps, self.steps_per_call
-            ahead = self._outputs_ahead(batch, 0)
+            ahead = self._outputs_ahead(batch, 0, raw)
         self.init_state(one)
         step_fn = self._step_for(micro, jbatch)
         before = self.trainer.global_step
@@ -430,8 +430,10 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             return None
         return {"loss": torch.tensor(float(np.ravel(jax.device_get(metrics["loss"]))[-1]))}
 
-    def _outputs_ahead(self, batch: Any, i: int) -> dict[str, Any] | None:
+    def _outputs_ahead(self, batch: Any, i: int, raw: Any) -> dict[str, Any] | None:
         """``on_train_batch_end``'s outputs computed before the step; ``None``: the step's.
+
+        ``batch`` is the prepared batch, ``raw`` the one the DataLoader made.
 
         Under ``accumulate_grad_batches=m`` a batch's step runs when its window completes,
         but Lightning gives each batch its own ``outputs["loss"]`` (its loss / m) at once:

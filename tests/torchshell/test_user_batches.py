@@ -783,3 +783,36 @@ def test_an_evaluation_step_returning_the_batchs_ids_gives_them_back(tmp_path: P
         assert got["id"] == want["id"]
         # (int64 argmax comes back int32: JAX runs with x64 off, docs/porting.md)
         torch.testing.assert_close(got["label"], want["label"], check_dtype=False)
+
+
+class TrainsWithIds(Bag):
+    """``training_step`` returns the batch's ids and keeps them in a list, as Lightning 2's
+    migration guide writes ``self.training_step_outputs.append(...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+        self.kept: list[Any] = []
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.kept.append({"id": batch["id"], "n": batch["tokens"].shape[0]})
+        return {"loss": loss, "id": batch["id"]}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(outputs["id"])
+
+
+def test_a_training_step_returning_the_batchs_ids_gives_them_to_the_hooks(
+    tmp_path: Path,
+) -> None:
+    """Before: ``on_train_batch_end``'s ``outputs["id"]`` (and the list the step appended
+    to) held the stand-in of the string field, which raised when read. Now the DataLoader's
+    ids, as in plain Lightning."""
+    runs = fit_plain_and_ported(
+        TrainsWithIds, tmp_path, DataLoader(Tokens(), batch_size=16), max_epochs=1
+    )
+    plain, ported = runs["plain"][1], runs["jax"][1].torch_module
+    assert ported.seen == plain.seen and len(plain.seen) > 1
+    assert [k["id"] for k in ported.kept] == [k["id"] for k in plain.kept]
+    assert_fit_like_plain(runs, 1e-5, 1e-6)

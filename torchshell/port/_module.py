@@ -35,7 +35,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from torchshell import _state_io
-from torchshell._batches import MicroBatches, containers_as_nodes, host_fields_out
+from torchshell._batches import (
+    MicroBatches,
+    containers_as_nodes,
+    host_fields_back,
+    host_fields_out,
+)
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
@@ -460,7 +465,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         """Also when the user's module overrides ``on_train_batch_end`` itself."""
         return self.port.overrides("on_train_batch_end") or super()._outputs_wanted()
 
-    def _outputs_ahead(self, batch: Any, i: int) -> dict[str, Any] | None:
+    def _outputs_ahead(self, batch: Any, i: int, raw: Any) -> dict[str, Any] | None:
         """Lightning's outputs, computed before the step when ``training_step`` returns more
         than its loss or appends to the module's lists (Lightning 2's
         ``self.training_step_outputs.append(...)``): the lists get the values after each
@@ -472,14 +477,15 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         extras, appends = self.port.returns_more
         wanted = self._outputs_wanted()
         if not appends and not (extras and wanted):  # (extras no one reads: not computed)
-            return super()._outputs_ahead(batch, i)
+            return super()._outputs_ahead(batch, i, raw)
         outputs, loss = self._step_forward(batch, i)
         user = host_tensors(outputs["user"])
         for name, items in user["appended"].items():
-            getattr(self.port.module, name).extend(items)
+            getattr(self.port.module, name).extend(host_fields_back(items, raw))
         if not wanted:
             return None
-        return {"loss": torch.tensor(float(loss)) / self.flags.accumulate, **user["extras"]}
+        extras = host_fields_back(user["extras"], raw)  # (ids: the DataLoader's values)
+        return {"loss": torch.tensor(float(loss)) / self.flags.accumulate, **extras}
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
