@@ -77,6 +77,7 @@ class _Shared(L.LightningModule):
     _eval_sums: dict[int | None, dict[str, jax.Array]]  # per evaluation loader
     _restore_dir: Path | None
     _restore_tensors: dict[str, torch.Tensor] | None
+    _synced: Any  # the state whose weights torch_module holds
     _fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
     _quiet: contextlib.ExitStack | None
     _masks: dict[int, jax.Array]
@@ -355,9 +356,23 @@ class CheckpointPart(_Shared):
         return bridge.export_state_dict({"params": self.state.params, **state}, twin)
 
     def on_fit_end(self) -> None:
+        """A ``from_torch``/``from_lightning`` module holds the trained weights after ``fit``.
+
+        (``net(x)`` or ``torch.save(net.state_dict())`` after ``trainer.fit`` is what a team
+        does next; the parameters are updated in place, so references to them stay.)
+        """
         pending = self._restore_dir is not None or self._restore_tensors is not None
         if self.state is None and pending:  # resumed at the end: no step left to run
             self._restore_without_steps()
+        self._sync_user_weights()
+
+    def _sync_user_weights(self) -> None:
+        """The trained weights into the user's torch module, in place (once per state)."""
+        module = self.torch_module
+        if module is not None and self.state is not None and self._synced is not self.state:
+            with torch.no_grad():
+                module.load_state_dict(self.torch_state_dict(), strict=True)
+            self._synced = self.state
 
     def _restore_without_steps(self) -> None:
         """Builds the restored state from one training batch's shapes (nothing trains)."""

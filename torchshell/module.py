@@ -177,6 +177,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         )
         self.state: TrainState | None = None
         self.torch_module: torch.nn.Module | None = None
+        self._synced: Any = None  # the state whose weights torch_module holds
         self.transfer_stats = bridge.new_stats()
         self.compile_stats: jaxcore.CompileStats | None = None
         self.summary = ""

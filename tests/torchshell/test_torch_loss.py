@@ -107,10 +107,12 @@ def _trains_like_plain_torch(
             steps += 1
             if steps == 8:
                 break
+    exported, trained = jm.torch_state_dict(), net.state_dict()  # (net: trained in place)
     for name, value in ref.state_dict().items():
         np.testing.assert_allclose(
-            jm.torch_state_dict()[name].numpy(), value.numpy(), rtol=2e-5, atol=2e-6, err_msg=name
+            exported[name].numpy(), value.numpy(), rtol=2e-5, atol=2e-6, err_msg=name
         )
+        torch.testing.assert_close(trained[name], exported[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -154,7 +154,6 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self._map_key: tuple[Any, ...] | None = None
         self._epoch: dict[str, Any] | None = None
         self._restore_weights: Mapping[str, torch.Tensor] | None = None
-        self._synced: Any = None  # the state whose weights the user's module holds
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
         self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
@@ -231,22 +230,6 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
     def teardown(self, stage: str) -> None:
         self.port.module.teardown(stage)
         super().teardown(stage)
-
-    def on_fit_end(self) -> None:
-        """The user's module holds the trained weights after ``fit``, as in plain Lightning.
-
-        (``torch.save(model.state_dict())`` or ``model(x)`` after ``trainer.fit`` is what a
-        team does next; the parameters are updated in place, so references to them stay.)
-        """
-        super().on_fit_end()
-        self._sync_user_weights()
-
-    def _sync_user_weights(self) -> None:
-        """The trained weights into the user's module, in place (once per state)."""
-        if self.state is not None and self._synced is not self.state:
-            with torch.no_grad():
-                self.port.module.load_state_dict(self.torch_state_dict(), strict=True)
-            self._synced = self.state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The user's module called on the host with the weights trained so far.
