@@ -781,8 +781,8 @@ def test_an_evaluation_step_returning_the_batchs_ids_gives_them_back(tmp_path: P
     }
     for want, got in zip(predictions["plain"], predictions["jax"], strict=True):
         assert got["id"] == want["id"]
-        # (int64 argmax comes back int32: JAX runs with x64 off, docs/porting.md)
-        torch.testing.assert_close(got["label"], want["label"], check_dtype=False)
+        # (argmax computes as int32 in the step, x64 off; it comes back as torch's int64)
+        torch.testing.assert_close(got["label"], want["label"])
 
 
 class TrainsWithIds(Bag):

@@ -44,6 +44,7 @@ __all__ = [
     "add_metric_states",
     "hook_key",
     "host_tensors",
+    "torch_ints",
 ]
 
 PyTree = Any
@@ -163,8 +164,27 @@ def _take_appended(module: torch.nn.Module, lengths: dict[str, int]) -> dict[str
 
 
 def host_tensors(tree: Any) -> Any:
-    """A pytree of device (or numpy) arrays as torch tensors on the host (copies)."""
-    return jax.tree.map(lambda v: torch.from_numpy(np.array(v)), jax.device_get(tree))
+    """A pytree of device (or numpy) arrays as torch tensors on the host (copies), with
+    :func:`torch_ints`."""
+    return torch_ints(jax.tree.map(lambda v: torch.from_numpy(np.array(v)), jax.device_get(tree)))
+
+
+def torch_ints(tree: Any) -> Any:
+    """``int32`` tensors as ``int64``: what a traced step returns to the user's code.
+
+    JAX runs with x64 off, so torch's integer type (``argmax``, ``arange``, a ``long``
+    label echoed back) computes as ``int32`` inside the step; the user's host code gets
+    torch's ``int64`` back (``F.one_hot`` and class-index losses refuse ``int32``).
+
+    Example:
+        >>> torch_ints({"ids": torch.zeros(2, dtype=torch.int32)})["ids"].dtype
+        torch.int64
+    """
+
+    def widen(v: Any) -> Any:
+        return v.long() if isinstance(v, torch.Tensor) and v.dtype == torch.int32 else v
+
+    return jax.tree.map(widen, tree)
 
 
 def hook_key(hook: str, dataloader_idx: int | None = None) -> str:

@@ -34,6 +34,7 @@ from torchshell.port._trace import (
     add_metric_states,
     hook_key,
     host_tensors,
+    torch_ints,
 )
 
 __all__ = ["UserEvaluation", "UserMetrics"]
@@ -264,10 +265,10 @@ class UserEvaluation:
     # then takes it too, as Lightning requires).
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         out = self._run_hook("validation_step", batch, dataloader_idx)
-        return bridge.to_torch(out)  # batch-end hooks' outputs
+        return torch_ints(bridge.to_torch(out))  # batch-end hooks' outputs
 
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return bridge.to_torch(self._run_hook("test_step", batch, dataloader_idx))
+        return torch_ints(bridge.to_torch(self._run_hook("test_step", batch, dataloader_idx)))
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return bridge.to_torch(self._run_hook("predict_step", batch, dataloader_idx))
+        return torch_ints(bridge.to_torch(self._run_hook("predict_step", batch, dataloader_idx)))
