@@ -201,10 +201,17 @@ def as_jax(x: Any, *, check_range: bool = True, name: str = "tensor") -> jax.Arr
         t = x.detach().cpu()
         if t.dtype in NARROW and not jax.config.read("jax_enable_x64"):
             t = narrow(name, t, check_range=check_range)
-        return jnp.array(as_numpy(t), copy=True)
+        return _owned(as_numpy(t))
     if isinstance(x, jax.Array):
-        return jnp.array(x, copy=True)
+        return jax.device_put(x, may_alias=False)
     arr = np.asarray(x)
     if arr.dtype in _NUMPY_64 and not jax.config.read("jax_enable_x64"):
         return as_jax(as_torch(arr), check_range=check_range, name=name)
-    return jnp.array(arr, copy=True)
+    return _owned(arr)
+
+
+def _owned(arr: np.ndarray) -> jax.Array:
+    """A JAX array of a fresh copy of ``arr`` (``device_put`` may alias a numpy buffer, so
+    the copy is the array's own). Not ``jnp.array``: in this JAX it compiles a program per
+    new shape and dtype (``lax.stage``), ~20 ms for each weight of a model."""
+    return jax.device_put(np.array(arr, copy=True))
