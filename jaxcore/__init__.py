@@ -27,7 +27,13 @@ from jaxcore.sharding import (
     sharding_rules,
     state_sharding_fn,
 )
-from jaxcore.state import TrainState, init_train_state, replicated, state_shardings
+from jaxcore.state import (
+    TrainState,
+    init_train_state,
+    replicated,
+    restart_optimizer,
+    state_shardings,
+)
 from jaxcore.step import make_eval_step, make_predict_step, make_train_forward, make_train_step
 
 __all__ = [
@@ -70,6 +76,7 @@ __all__ = [
     "preset_rules",
     "replicated",
     "resolve_dtype",
+    "restart_optimizer",
     "set_cpu_devices",
     "set_debug_nans",
     "sharding_rules",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -103,6 +104,39 @@ def init_train_state(
     else:
         out_shardings = param_shardings
     return jax.jit(init, out_shardings=out_shardings)(rng)  # type: ignore[no-any-return]
+
+
+def restart_optimizer(state: TrainState, tx: optax.GradientTransformation) -> TrainState:
+    """The state's params and model state with a fresh optimizer: what a new run starts from.
+
+    Lightning calls ``configure_optimizers`` at every ``fit``: a second ``fit`` of a module
+    continues from its trained weights with a new optimizer (no momentum, its schedule from
+    step 0). This is that state: ``opt_state`` from ``tx.init``, ``step`` 0, the NaN-guard
+    counters cleared, each leaf with its old sharding; the random key is advanced (folded
+    with the old step) so the new run does not repeat the old one's dropout masks.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> tx = jaxcore.make_optimizer()
+        >>> st = init_train_state(jaxcore.linen_model(MLP(features=(8,))), tx,
+        ...     {"x": jnp.ones((2, 64))}, seed=0, mesh=jaxcore.make_mesh({"data": -1}))
+        >>> int(restart_optimizer(st.replace(step=st.step + 5), tx).step)
+        0
+    """
+
+    def fresh(old: TrainState) -> TrainState:
+        return dataclasses.replace(
+            old,
+            step=jnp.zeros_like(old.step),
+            opt_state=tx.init(old.params),
+            rng=jax.random.fold_in(old.rng, old.step),
+            nonfinite=jnp.zeros_like(old.nonfinite),
+            nonfinite_step=jnp.full_like(old.nonfinite_step, -1),
+        )
+
+    shardings = state_shardings(state)
+    return jax.jit(fresh, out_shardings=shardings)(state)  # type: ignore[no-any-return]
 
 
 def state_shardings(state: TrainState) -> PyTree:

@@ -82,6 +82,7 @@ class _Shared(L.LightningModule):
     _quiet: contextlib.ExitStack | None
     _masks: dict[int, jax.Array]
     # methods another part (or JaxModule) defines
+    optimizer: Callable[[], optax.GradientTransformation]
     init_state: Callable[[Any], Any]
     _prepare: Callable[[Any], Any]
     _batch_check: Callable[[Any], contextlib.AbstractContextManager[None]]
@@ -354,6 +355,16 @@ class CheckpointPart(_Shared):
         if getattr(self, "nnx_model", False):  # an NNX module's other variables: BatchStat
             state = {"batch_stats": state} if state else {}
         return bridge.export_state_dict({"params": self.state.params, **state}, twin)
+
+    def on_fit_start(self) -> None:
+        """A new ``fit`` of a trained module (not a resume) starts a new optimizer.
+
+        As in Lightning, which calls ``configure_optimizers`` at every ``fit``: the weights
+        carry over, the optimizer state (momentum, Adam moments) and the schedule's step do
+        not (:func:`jaxcore.restart_optimizer`). ``fit(ckpt_path=...)`` restores them instead.
+        """
+        if self.state is not None and self.trainer.ckpt_path is None:
+            self.state = jaxcore.restart_optimizer(self.state, self.optimizer())
 
     def on_fit_end(self) -> None:
         """A ``from_torch``/``from_lightning`` module holds the trained weights after ``fit``.

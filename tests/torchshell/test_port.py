@@ -811,3 +811,31 @@ def test_host_hooks_read_the_trained_weights(tmp_path: Path) -> None:
     for got, want in zip(seen["jax"], seen["plain"], strict=True):
         torch.testing.assert_close(got, want)
     assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_fit_starts_a_new_optimizer_as_lightning_does(tmp_path: Path) -> None:
+    """Lightning calls ``configure_optimizers`` at every ``fit``: a second fit continues from
+    the trained weights with no momentum carried over. Before, the port kept the JAX
+    optimizer state and schedule step (weights 0.05 off plain Lightning's after the second
+    fit of this module)."""
+    from tests.helpers import quiet_trainer
+
+    class Momentum(GradHooks):
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            pass
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    weights = {}
+    for mode in ("plain", "jax"):
+        torch.manual_seed(0)
+        user = Momentum()
+        module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        for _ in range(2):
+            quiet_trainer(max_epochs=1).fit(module, DataLoader(data, batch_size=16))
+        weights[mode] = user.state_dict()
+    for name, w in weights["plain"].items():
+        torch.testing.assert_close(weights["jax"][name], w, rtol=1e-5, atol=1e-6, msg=name)

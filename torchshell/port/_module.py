@@ -271,6 +271,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.mapped is not None and self.trainer.ckpt_path is None:  # (plateau factors)
+            self._lr_scale = np.ones(len(self.mapped.groups), np.float32)
         for mine, theirs in zip(self.trainer.lr_scheduler_configs, self._configs, strict=False):
             mine.interval, mine.frequency, mine.name = (
                 theirs.interval,
