@@ -470,18 +470,35 @@ def test_a_module_with_torch_optimizer_hooks_is_refused() -> None:
         JaxModule.from_lightning(Hooked())
 
 
-class GradHooks(L.LightningModule):
-    """Lightning's documented gradient hooks: norms logged (``grad_norm``), an in-place clip."""
+class SmallClassifier(L.LightningModule):
+    """A user's plain module on ``TensorDataset(x[N, 8], y[N])`` (:func:`_classes`), SGD."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("train_loss", loss)
         return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _classes(rows: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+    )
+
+
+class GradHooks(SmallClassifier):
+    """Lightning's documented gradient hooks: norms logged (``grad_norm``), an in-place clip."""
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         from lightning.pytorch.utilities import grad_norm
@@ -490,9 +507,6 @@ class GradHooks(L.LightningModule):
         self.log_dict(norms)
         self.log("norm_epoch", norms["grad_2.0_norm_total"], on_step=False, on_epoch=True)
         torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)  # (it changes the update)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class GradHooksAfter(GradHooks):
@@ -509,12 +523,10 @@ def test_gradient_hooks_run_on_the_steps_gradients(
     may change them in place: every logged value and weight equals plain Lightning's."""
     from tests.helpers import fit_plain_and_ported
 
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(100, 8, generator=g), torch.randint(0, 3, (100,), generator=g))
     runs = fit_plain_and_ported(
         GradHooksAfter if after else GradHooks,
         tmp_path,
-        DataLoader(data, batch_size=16),
+        DataLoader(_classes(100), batch_size=16),
         max_epochs=2,
         accumulate_grad_batches=accumulate,
     )
@@ -755,18 +767,13 @@ def test_from_torch_specialises_a_scalar_read_from_the_batch(tmp_path: Path) -> 
     assert jm._train_step.recompiles == 1  # one compile per distinct length
 
 
-class ReadsWeights(L.LightningModule):
+class ReadsWeights(SmallClassifier):
     """Host hooks that read the weights: a batch hook's norm, an epoch-end sample."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
         self.norms: list[float] = []
         self.samples: list[torch.Tensor] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx % 2:  # (every other batch reads them)
@@ -777,20 +784,12 @@ class ReadsWeights(L.LightningModule):
             self.samples.append(self(torch.ones(2, 8)))
         self.log("first_weight", self.net[0].weight[0, 0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
 
 def test_host_hooks_read_the_trained_weights(tmp_path: Path) -> None:
     """A hook the user runs on the host, and a callback calling ``pl_module(x)``, see the
     weights trained so far, as in plain Lightning (copied from the JAX state when read)."""
     from tests.helpers import assert_fit_like_plain, fit_plain_and_ported
 
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
     seen: dict[str, list[torch.Tensor]] = {"plain": [], "jax": []}
 
     class Sampler(L.Callback):  # a callback's pl_module: called, its submodules read
@@ -801,7 +800,11 @@ def test_host_hooks_read_the_trained_weights(tmp_path: Path) -> None:
             seen[kind] += [out, pl_module.net[2].bias.detach().clone()]
 
     runs = fit_plain_and_ported(
-        ReadsWeights, tmp_path, DataLoader(data, batch_size=16), max_epochs=2, callbacks=[Sampler()]
+        ReadsWeights,
+        tmp_path,
+        DataLoader(_classes(64), batch_size=16),
+        max_epochs=2,
+        callbacks=[Sampler()],
     )
     plain, ported = runs["plain"][1], runs["jax"][1].torch_module
     assert len(ported.norms) == len(plain.norms) == 4
@@ -820,22 +823,17 @@ def test_a_second_fit_starts_a_new_optimizer_as_lightning_does(tmp_path: Path) -
     fit of this module)."""
     from tests.helpers import quiet_trainer
 
-    class Momentum(GradHooks):
-        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            pass
-
+    class Momentum(SmallClassifier):
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
     weights = {}
     for mode in ("plain", "jax"):
         torch.manual_seed(0)
         user = Momentum()
         module = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
         for _ in range(2):
-            quiet_trainer(max_epochs=1).fit(module, DataLoader(data, batch_size=16))
+            quiet_trainer(max_epochs=1).fit(module, DataLoader(_classes(64), batch_size=16))
         weights[mode] = user.state_dict()
     for name, w in weights["plain"].items():
         torch.testing.assert_close(weights["jax"][name], w, rtol=1e-5, atol=1e-6, msg=name)

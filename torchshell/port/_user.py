@@ -62,6 +62,7 @@ class UserMetrics:
     _last_metrics: dict[str, jax.Array]
     log: Any
     _micro_rows: list[int]
+    flags: Any
 
     def _train_specs(self) -> dict[str, LogSpec]:
         # (what on_after_backward/on_before_optimizer_step log is reported as a step's value)
@@ -112,7 +113,8 @@ class UserMetrics:
             size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
             if each is None:
                 v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:]
-                rows = self._micro_rows[-1:] if name in once and self._micro_rows else [rows_]
+                window = self.flags.accumulate > 1  # (_micro_rows: the last window's rows)
+                rows = self._micro_rows[-1:] if name in once and window else [rows_]
                 given = metrics.get(size)
                 given = None if given is None else jnp.reshape(given, (-1,))[-1:]
             else:
