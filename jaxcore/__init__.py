@@ -28,10 +28,12 @@ from jaxcore.sharding import (
     state_sharding_fn,
 )
 from jaxcore.state import (
+    PendingState,
     TrainState,
     init_train_state,
     replicated,
     restart_optimizer,
+    start_train_state,
     state_shardings,
 )
 from jaxcore.step import make_eval_step, make_predict_step, make_train_forward, make_train_step
@@ -50,6 +52,7 @@ __all__ = [
     "MeshError",
     "ModelFns",
     "NonFiniteError",
+    "PendingState",
     "ShardingError",
     "ShardingPlan",
     "Step",
@@ -81,6 +84,7 @@ __all__ = [
     "set_debug_nans",
     "sharding_rules",
     "softmax_cross_entropy",
+    "start_train_state",
     "state_sharding_fn",
     "state_shardings",
 ]

@@ -9,10 +9,12 @@ that executable (no second compile) and ``cost_analysis()`` gives FLOPs and byte
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -69,22 +71,43 @@ def disable_compile_cache() -> None:
 class CompileStats:
     """What one AOT compilation of a step cost and what the step computes.
 
+    The FLOPs and bytes come from XLA's cost analysis of the lowered module, which takes
+    about as long as reading a cached executable: it runs when one of them is first read,
+    not on the way to the first step.
+
     Attributes:
         lower_seconds: tracing and lowering to StableHLO.
         compile_seconds: XLA compilation (near zero on a persistent-cache hit).
-        flops_per_step: XLA's cost-analysis FLOPs of one optimizer step, all devices
-            together; ``None`` when the backend gives none.
-        bytes_per_step: bytes accessed by one step, likewise.
         steps_per_call: optimizer steps in one call.
         recompiles: compilations after the first, so far.
+        cost: returns XLA's cost analysis (``{"flops": ..., "bytes accessed": ...}``) of one
+            optimizer step, all devices together; ``{}`` when the backend gives none.
     """
 
     lower_seconds: float
     compile_seconds: float
-    flops_per_step: float | None
-    bytes_per_step: float | None
     steps_per_call: int
     recompiles: int
+    cost: Callable[[], Mapping[str, float]] = field(default=dict, repr=False, compare=False)
+
+    @cached_property
+    def _analysed(self) -> dict[str, float | None]:
+        cost = self.cost()
+        return {
+            k: v if isinstance(v, int | float) and math.isfinite(v) else None
+            for k in ("flops", "bytes accessed")
+            for v in [cost.get(k)]
+        }
+
+    @property
+    def flops_per_step(self) -> float | None:
+        """XLA's FLOPs of one optimizer step, all devices together (``None``: none given)."""
+        return self._analysed["flops"]
+
+    @property
+    def bytes_per_step(self) -> float | None:
+        """Bytes accessed by one optimizer step, likewise."""
+        return self._analysed["bytes accessed"]
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for a metrics logger (``None`` values left out)."""
@@ -170,6 +193,13 @@ class Step:
         """``jax.jit(...).lower(*args)`` of the underlying function."""
         return self._jitted.lower(*args)
 
+    def _analyse(self, lowered: Any, abstract: tuple[Any, ...] | None) -> dict[str, float]:
+        """XLA's cost analysis of one optimizer step (see the class docstring)."""
+        if self._cost_fn is None or abstract is None:
+            return _cost(lowered)
+        ref_args = self._cost_args(*abstract) if self._cost_args else abstract
+        return _cost(jax.jit(self._cost_fn).trace(*ref_args).lower())
+
     def compile(self, *args: Any, dump_dir: str | Path | None = None) -> CompileStats:
         """AOT-compiles for these arguments (arrays or ``ShapeDtypeStruct``s with shardings).
 
@@ -189,20 +219,15 @@ class Step:
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
-        if self._cost_fn is None:
-            cost = _cost(lowered)
-        else:
+        abstract = None  # (shapes only: the stats must not keep the arguments alive)
+        if self._cost_fn is not None:
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-            ref_args = self._cost_args(*abstract) if self._cost_args else abstract
-            cost = _cost(jax.jit(self._cost_fn).trace(*ref_args).lower())
-        flops, nbytes = cost.get("flops"), cost.get("bytes accessed")
         self.stats = CompileStats(
             lower_seconds=t1 - t0,
             compile_seconds=t2 - t1,
-            flops_per_step=None if flops is None or not math.isfinite(flops) else flops,
-            bytes_per_step=None if nbytes is None or not math.isfinite(nbytes) else nbytes,
             steps_per_call=self.steps_per_call,
             recompiles=self.recompiles,
+            cost=functools.partial(self._analyse, lowered, abstract),
         )
         if dump_dir is not None:
             out = Path(dump_dir)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -42,43 +44,49 @@ def replicated(mesh: Mesh, tree: PyTree) -> PyTree:
     return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
 
 
-def init_train_state(
+class PendingState:
+    """A train state whose init program compiles on a background thread.
+
+    :func:`start_train_state` returns one at once; :attr:`abstract` (every leaf's shape,
+    dtype and sharding) is all a step needs to be traced and compiled
+    (``Step.compile(pending.abstract, batch)``), so the step's compilation and the init's run
+    side by side. XLA compiles (and reads its persistent cache) without holding Python's
+    lock: on a warm cache the init's executable loads while the step is traced.
+
+    Attributes:
+        abstract: the state as ``jax.ShapeDtypeStruct`` leaves with their shardings.
+    """
+
+    def __init__(self, compiled: Future[Any], rng: jax.Array, abstract: TrainState) -> None:
+        self._compiled, self._rng, self.abstract = compiled, rng, abstract
+        self._state: TrainState | None = None
+
+    def result(self) -> TrainState:
+        """The initialised state (waits for the init's compilation; raises its errors)."""
+        if self._state is None:
+            self._state = self._compiled.result()(self._rng)
+        return self._state
+
+
+_compiler: ThreadPoolExecutor | None = None
+
+
+def _background(fn: Callable[[], Any]) -> Future[Any]:
+    global _compiler
+    if _compiler is None:
+        _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxcore-compile")
+    return _compiler.submit(fn)
+
+
+def _lowered_init(
     model: ModelFns,
     tx: optax.GradientTransformation,
     sample_batch: Batch,
-    *,
     seed: int,
     mesh: Mesh,
-    param_shardings: Any = None,
-) -> TrainState:
-    """Initialises a :class:`TrainState` under ``jax.jit`` with explicit out-shardings.
-
-    Params and optimizer state are born with their shardings (no full replica on one device
-    when they are sharded). ``param_shardings`` maps the abstract state to its shardings (e.g.
-    ``jaxcore.state_sharding_fn(mesh, "fsdp")``), or is that sharding tree itself; ``None``
-    replicates everything.
-
-    Args:
-        model: the model's init/apply functions.
-        tx: the optimizer.
-        sample_batch: a batch with the real shapes and dtypes (values are not used).
-        seed: the run's seed; the state's rng derives from it.
-        mesh: the device mesh.
-        param_shardings: callable ``abstract_state -> sharding tree``, a sharding tree, or
-            ``None``.
-
-    Returns:
-        The initial state, placed on ``mesh``.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxcore
-        >>> from jaxcore.models.digits import MLP
-        >>> st = init_train_state(jaxcore.linen_model(MLP(features=(8,))),
-        ...     jaxcore.make_optimizer(), {"x": jnp.ones((2, 64))}, seed=0,
-        ...     mesh=jaxcore.make_mesh({"data": -1}))
-        >>> int(st.step)
-        0
-    """
+    param_shardings: Any,
+) -> tuple[Any, jax.Array, TrainState]:
+    """The init program lowered for its out-shardings, its key, and the placed abstract state."""
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), sample_batch)
 
     def init(rng: jax.Array) -> TrainState:
@@ -103,7 +111,76 @@ def init_train_state(
         out_shardings = param_shardings(abstract)
     else:
         out_shardings = param_shardings
-    return jax.jit(init, out_shardings=out_shardings)(rng)  # type: ignore[no-any-return]
+    lowered = jax.jit(init, out_shardings=out_shardings).lower(rng)  # (the eval_shape trace)
+    return lowered, rng, lowered.out_info
+
+
+def start_train_state(
+    model: ModelFns,
+    tx: optax.GradientTransformation,
+    sample_batch: Batch,
+    *,
+    seed: int,
+    mesh: Mesh,
+    param_shardings: Any = None,
+) -> PendingState:
+    """Starts :func:`init_train_state`: traces the init, compiles it in the background.
+
+    Same arguments as :func:`init_train_state`; ``.result()`` gives the same state.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> pending = start_train_state(jaxcore.linen_model(MLP(features=(8,))),
+        ...     jaxcore.make_optimizer(), {"x": jnp.ones((2, 64))}, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> pending.abstract.params["layers_0"]["kernel"].shape, int(pending.result().step)
+        ((64, 8), 0)
+    """
+    lowered, rng, placed = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
+    return PendingState(_background(lowered.compile), rng, placed)
+
+
+def init_train_state(
+    model: ModelFns,
+    tx: optax.GradientTransformation,
+    sample_batch: Batch,
+    *,
+    seed: int,
+    mesh: Mesh,
+    param_shardings: Any = None,
+) -> TrainState:
+    """Initialises a :class:`TrainState` under ``jax.jit`` with explicit out-shardings.
+
+    Params and optimizer state are born with their shardings (no full replica on one device
+    when they are sharded). ``param_shardings`` maps the abstract state to its shardings (e.g.
+    ``jaxcore.state_sharding_fn(mesh, "fsdp")``), or is that sharding tree itself; ``None``
+    replicates everything. :func:`start_train_state` does the same with the compilation in
+    the background.
+
+    Args:
+        model: the model's init/apply functions.
+        tx: the optimizer.
+        sample_batch: a batch with the real shapes and dtypes (values are not used).
+        seed: the run's seed; the state's rng derives from it.
+        mesh: the device mesh.
+        param_shardings: callable ``abstract_state -> sharding tree``, a sharding tree, or
+            ``None``.
+
+    Returns:
+        The initial state, placed on ``mesh``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> st = init_train_state(jaxcore.linen_model(MLP(features=(8,))),
+        ...     jaxcore.make_optimizer(), {"x": jnp.ones((2, 64))}, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> int(st.step)
+        0
+    """
+    lowered, rng, _ = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
+    return lowered.compile()(rng)  # type: ignore[no-any-return]
 
 
 def restart_optimizer(state: TrainState, tx: optax.GradientTransformation) -> TrainState:

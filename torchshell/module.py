@@ -184,6 +184,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.flags = TrainerFlags()
         self._flag_originals: dict[str, Any] | None = None
         self._train_step: jaxcore.Step | None = None
+        self._pending: jaxcore.PendingState | None = None  # the init compiling (first batch)
         # a short last accumulation window, or one holding a ragged batch: (micro, ragged)
         self._short_steps: dict[tuple[int, bool], jaxcore.Step] = {}
         self._train_forward: jaxcore.Step | None = None  # see _outputs_ahead
@@ -284,13 +285,18 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
         if self.state is None:
-            state = jaxcore.init_train_state(
-                self.model_fns,
-                self.optimizer(),
-                self._sample(batch),
-                seed=self.seed,
-                mesh=self.mesh,
-                param_shardings=self.shard_fn,
+            pending, self._pending = self._pending, None
+            state = (
+                pending.result()
+                if pending is not None
+                else jaxcore.init_train_state(
+                    self.model_fns,
+                    self.optimizer(),
+                    self._sample(batch),
+                    seed=self.seed,
+                    mesh=self.mesh,
+                    param_shardings=self.shard_fn,
+                )
             )
             if self._restore_dir is not None:
                 state = restore_state(self._restore_dir, state)
@@ -314,15 +320,15 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.train_log.batch_ended()
 
     def _make_train_step(
-        self, micro: int, grad_scale: float = 1.0, ragged: bool = False
+        self, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
     ) -> jaxcore.Step:
-        assert self.state is not None
+        """The train step for ``state`` (the state, or its abstract twin while it inits)."""
         window = self.flags.accumulate > 1
         return jaxcore.make_train_step(
             self.model_fns,
             self.loss_fn,
             self.optimizer(),
-            state_sharding=jaxcore.state_shardings(self.state),
+            state_sharding=jaxcore.state_shardings(state),
             batch_sharding=None,  # the arrays' own (placed by the bridge)
             steps_per_call=1 if window else self.steps_per_call,
             accum_steps=micro if window else self.accum_steps,
@@ -406,6 +412,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
             jbatch, one, rows_ = self._one_step_view(batch)
             micro, steps = self.accum_steps, self.steps_per_call
             ahead = self._outputs_ahead(batch, 0, raw)
+        if self.state is None and self._train_step is None and m == 1:
+            self._compile_beside_init(one, micro, jbatch)
         self.init_state(one)
         step_fn = self._step_for(micro, jbatch)
         before = self.trainer.global_step
@@ -414,6 +422,10 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
                 metrics = self._measure(step_fn, jbatch, one)
             else:
                 self.state, metrics = step_fn(self.state, jbatch)
+        if self.__dict__.pop("_stats_due", False) and self.compile_stats is not None:
+            self._log_to_loggers(
+                {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
+            )
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         for _ in range(steps):
             progress.increment_ready()
@@ -469,19 +481,34 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         if m > 1 and (micro < m or ragged):
             if (micro, ragged) not in self._short_steps:
                 self._short_steps[micro, ragged] = self._make_train_step(
-                    micro, grad_scale=micro / m, ragged=ragged
+                    micro, self.state, grad_scale=micro / m, ragged=ragged
                 )
             return self._short_steps[micro, ragged]
         if self._train_step is None:
-            assert self.state is not None
-            self._train_step = self._make_train_step(micro)
-            self.compile_stats = self._train_step.compile(
-                self.state, jbatch, dump_dir=self.hlo_dump_dir
-            )
-            self._log_to_loggers(
-                {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
-            )
+            self._compile_train_step(micro, self.state, jbatch)
+        assert self._train_step is not None
         return self._train_step
+
+    def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
+        """Builds and AOT-compiles the train step; its statistics are logged after the first
+        call is dispatched (their cost analysis is not on the way to the first step)."""
+        self._train_step = self._make_train_step(micro, state)
+        self.compile_stats = self._train_step.compile(state, jbatch, dump_dir=self.hlo_dump_dir)
+        self.__dict__["_stats_due"] = True
+
+    def _compile_beside_init(self, one: Any, micro: int, jbatch: Any) -> None:
+        """The first batch: the state's init program compiles in the background while the
+        train step is traced and compiled on the state's shapes (``jaxcore.PendingState``);
+        with a warm compile cache the two executables load side by side."""
+        self._pending = jaxcore.start_train_state(
+            self.model_fns,
+            self.optimizer(),
+            self._sample(one),
+            seed=self.seed,
+            mesh=self.mesh,
+            param_shardings=self.shard_fn,
+        )
+        self._compile_train_step(micro, self._pending.abstract, jbatch)
 
     def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
         """Per-step work on device metrics (epoch aggregation in the Lightning port)."""

@@ -72,3 +72,33 @@ def test_debug_nans_switch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("raised"), out.stderr[-2000:]
+
+
+def test_a_step_compiled_on_a_pending_state_runs_on_the_state_without_a_second_compile():
+    from jaxcore.models.digits import MLP
+
+    mesh = jaxcore.make_mesh({"data": -1})
+    model, tx = jaxcore.linen_model(MLP(features=(16,))), jaxcore.make_optimizer("adam")
+    batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros((8,), jnp.int32)}
+    shard = jaxcore.state_sharding_fn(mesh, "fsdp")
+    pending = jaxcore.start_train_state(model, tx, batch, seed=3, mesh=mesh, param_shardings=shard)
+    step = jaxcore.make_train_step(
+        model,
+        jaxcore.softmax_cross_entropy,
+        tx,
+        state_sharding=jaxcore.state_shardings(pending.abstract),
+        batch_sharding=jaxcore.batch_sharding(mesh),
+    )
+    jbatch = jax.device_put(batch, jaxcore.batch_sharding(mesh))
+    stats = step.compile(pending.abstract, jbatch)  # while the init compiles
+    state = pending.result()
+    same = jaxcore.init_train_state(model, tx, batch, seed=3, mesh=mesh, param_shardings=shard)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(same), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    state, metrics = step(state, jbatch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert step.compiles == 1  # the call used the executable compiled on the abstract state
+    assert stats.flops_per_step and stats.flops_per_step > 2 * 8 * 64 * 16  # analysed on read
