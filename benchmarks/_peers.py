@@ -47,7 +47,13 @@ def trainer(max_steps: int, callbacks: list[L.Callback]) -> L.Trainer:
 
 
 class LightningClock(L.Callback):
-    """Times the optimizer steps after ``warmup`` up to ``max_steps``, synced by ``sync``."""
+    """Times the optimizer steps after ``warmup`` up to ``max_steps``, synced by ``sync``.
+
+    It marks at a batch's start and at the epoch's end, never in ``on_train_batch_end``: a
+    callback that overrides that hook may read the step's ``outputs``, and coreshell then
+    waits for every step's loss (as plain Lightning hands it over), which is not the loop
+    the benchmark times.
+    """
 
     def __init__(self, warmup: int, sync: Callable[[], Any] = lambda: None) -> None:
         self.warmup, self.sync = warmup, sync
@@ -55,13 +61,22 @@ class LightningClock(L.Callback):
         self.end: tuple[float, int] | None = None
         self.on_start: Callable[[], None] = lambda: None
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         step = trainer.global_step
         if self.start is None and step >= self.warmup:
             self.sync()
             self.on_start()
             self.start = (time.perf_counter(), step)
-        elif self.start is not None and self.end is None and step >= trainer.max_steps:
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._stop(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._stop(trainer)
+
+    def _stop(self, trainer: L.Trainer) -> None:
+        step = trainer.global_step
+        if self.start is not None and self.end is None and step >= trainer.max_steps:
             self.sync()
             self.end = (time.perf_counter(), step)
 
