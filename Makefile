@@ -2,6 +2,8 @@
 # Both create or reuse the virtual environment $(VENV) and install the project into it when
 # pyproject.toml (or the checkout's location) changed.
 VENV ?= .venv
+# the suite in two worker processes, each test file whole in one (its module fixtures run once)
+PYTEST_ARGS ?= -n 2 --dist loadfile
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 # torch and torchaudio are CUDA builds on the registry (~8 GB with their nvidia libraries):
