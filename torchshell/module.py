@@ -285,19 +285,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
         if self.state is None:
-            pending, self._pending = self._pending, None
-            state = (
-                pending.result()
-                if pending is not None
-                else jaxcore.init_train_state(
-                    self.model_fns,
-                    self.optimizer(),
-                    self._sample(batch),
-                    seed=self.seed,
-                    mesh=self.mesh,
-                    param_shardings=self.shard_fn,
-                )
-            )
+            pending, self._pending = self._pending or self._start_state(batch), None
+            state = pending.result()
             if self._restore_dir is not None:
                 state = restore_state(self._restore_dir, state)
                 self._restore_dir = None
@@ -500,15 +489,19 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         """The first batch: the state's init program compiles in the background while the
         train step is traced and compiled on the state's shapes (``jaxcore.PendingState``);
         with a warm compile cache the two executables load side by side."""
-        self._pending = jaxcore.start_train_state(
+        self._pending = self._start_state(one)
+        self._compile_train_step(micro, self._pending.abstract, jbatch)
+
+    def _start_state(self, batch: Any) -> jaxcore.PendingState:
+        """The state's init, compiling (``jaxcore.start_train_state``)."""
+        return jaxcore.start_train_state(
             self.model_fns,
             self.optimizer(),
-            self._sample(one),
+            self._sample(batch),
             seed=self.seed,
             mesh=self.mesh,
             param_shardings=self.shard_fn,
         )
-        self._compile_train_step(micro, self._pending.abstract, jbatch)
 
     def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
         """Per-step work on device metrics (epoch aggregation in the Lightning port)."""
