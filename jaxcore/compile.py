@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -90,14 +89,14 @@ class CompileStats:
     recompiles: int
     cost: Callable[[], Mapping[str, float]] = field(default=dict, repr=False, compare=False)
 
-    @cached_property
+    @functools.cached_property
     def _analysed(self) -> dict[str, float | None]:
         cost = self.cost()
-        return {
-            k: v if isinstance(v, int | float) and math.isfinite(v) else None
-            for k in ("flops", "bytes accessed")
-            for v in [cost.get(k)]
-        }
+
+        def finite(v: Any) -> float | None:
+            return v if isinstance(v, int | float) and math.isfinite(v) else None
+
+        return {k: finite(cost.get(k)) for k in ("flops", "bytes accessed")}
 
     @property
     def flops_per_step(self) -> float | None:
