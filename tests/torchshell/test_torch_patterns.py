@@ -75,6 +75,38 @@ def test_torch_equal_of_masks_from_shapes_is_a_python_bool_at_trace_time():
         np.testing.assert_allclose(np.asarray(out), net(torch.ones(2, 3, 4)).numpy(), rtol=1e-6)
 
 
+def _all_consts(closed: Any) -> list[Any]:
+    """The constants of a closed jaxpr and of every jaxpr inside it (jit, cond, ...)."""
+    found = list(closed.consts)
+    for eqn in closed.jaxpr.eqns:
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else [value]:
+                if hasattr(sub, "consts") and hasattr(sub, "jaxpr"):
+                    found += _all_consts(sub)
+    return found
+
+
+def test_tensors_built_like_traced_ones_stay_in_the_graph_not_constants_of_their_size():
+    # torch's attention softmax builds torch.zeros_like(scores) (B x heads x T x T); folded
+    # while tracing, it and autodiff's zero tangent were constants of that size per layer
+    # (6.9 GB for a Whisper-base-sized encoder at batch 16 on a GPU)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    fns = torch_model_fns(layer)
+    xt = torch.randn(4, 128, 16)
+    x = jnp.asarray(xt.numpy())
+    params, state = fns.init(jax.random.key(0), {"x": x})
+
+    def out(p: Any) -> jax.Array:
+        return fns.apply(p, state, {"x": x}, jax.random.key(0), True)[0]
+
+    scores = 4 * 2 * 128 * 128 * 4  # bytes of one float32 attention-score tensor
+    consts = _all_consts(jax.make_jaxpr(jax.grad(lambda p: (out(p) * x).sum()))(params))
+    assert [c.shape for c in consts if getattr(c, "nbytes", 0) >= scores] == []
+    with torch.no_grad():  # and still the layer's own numbers
+        np.testing.assert_allclose(np.asarray(out(params)), layer(xt).numpy(), atol=1e-5)
+
+
 # -- eval-mode fast paths take the math path ----------------------------------------------
 def test_encoder_nested_tensor_fast_path_in_eval_is_routed_to_the_math_path():
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
