@@ -57,14 +57,14 @@ class PendingState:
         abstract: the state as ``jax.ShapeDtypeStruct`` leaves with their shardings.
     """
 
-    def __init__(self, compiled: Future[Any], rng: jax.Array, abstract: TrainState) -> None:
-        self._compiled, self._rng, self.abstract = compiled, rng, abstract
+    def __init__(self, compiled: Future[Any], args: tuple[Any, ...], abstract: TrainState) -> None:
+        self._compiled, self._args, self.abstract = compiled, args, abstract
         self._state: TrainState | None = None
 
     def result(self) -> TrainState:
         """The initialised state (waits for the init's compilation; raises its errors)."""
         if self._state is None:
-            self._state = self._compiled.result()(self._rng)
+            self._state = self._compiled.result()(*self._args)
         return self._state
 
 
@@ -85,8 +85,9 @@ def _lowered_init(
     seed: int,
     mesh: Mesh,
     param_shardings: Any,
-) -> tuple[Any, jax.Array, TrainState]:
-    """The init program lowered for its out-shardings, its key, and the placed abstract state."""
+) -> tuple[Any, tuple[list[Any], jax.Array], TrainState]:
+    """The init program lowered for its out-shardings, its arguments (the arrays it closes
+    over, its key), and the placed abstract state."""
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), sample_batch)
 
     def init(rng: jax.Array) -> TrainState:
@@ -104,15 +105,24 @@ def _lowered_init(
         )
 
     rng = jax.random.key(seed)
-    abstract = jax.eval_shape(init, rng)
+    # Arrays the init closes over (a ported torch module's weights) become arguments of the
+    # program, not constants in it: no copy of the weights in the compiled code or its
+    # persistent-cache key, so another module of the same shapes hits the cache.
+    closed, abstract = jax.make_jaxpr(init, return_shape=True)(rng)
+    treedef = jax.tree.structure(abstract)
+
+    def run(consts: list[Any], rng: jax.Array) -> TrainState:
+        return jax.tree.unflatten(treedef, jax.core.eval_jaxpr(closed.jaxpr, consts, rng))
+
     if param_shardings is None:
         out_shardings = replicated(mesh, abstract)
     elif callable(param_shardings):
         out_shardings = param_shardings(abstract)
     else:
         out_shardings = param_shardings
-    lowered = jax.jit(init, out_shardings=out_shardings).lower(rng)  # (the eval_shape trace)
-    return lowered, rng, lowered.out_info
+    args = (list(closed.consts), rng)
+    lowered = jax.jit(run, out_shardings=out_shardings).lower(*args)
+    return lowered, args, lowered.out_info
 
 
 def start_train_state(
@@ -137,8 +147,8 @@ def start_train_state(
         >>> pending.abstract.params["layers_0"]["kernel"].shape, int(pending.result().step)
         ((64, 8), 0)
     """
-    lowered, rng, placed = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
-    return PendingState(_background(lowered.compile), rng, placed)
+    lowered, args, placed = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
+    return PendingState(_background(lowered.compile), args, placed)
 
 
 def init_train_state(
@@ -179,8 +189,8 @@ def init_train_state(
         >>> int(st.step)
         0
     """
-    lowered, rng, _ = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
-    return lowered.compile()(rng)  # type: ignore[no-any-return]
+    lowered, args, _ = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
+    return lowered.compile()(*args)  # type: ignore[no-any-return]
 
 
 def restart_optimizer(state: TrainState, tx: optax.GradientTransformation) -> TrainState:

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -102,3 +103,28 @@ def test_a_step_compiled_on_a_pending_state_runs_on_the_state_without_a_second_c
     assert np.isfinite(float(metrics["loss"]))
     assert step.compiles == 1  # the call used the executable compiled on the abstract state
     assert stats.flops_per_step and stats.flops_per_step > 2 * 8 * 64 * 16  # analysed on read
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_arrays_an_init_closes_over_are_arguments_of_its_program_not_constants(pending):
+    # a ported torch module's init returns its weights: concrete arrays, closed over
+    weights = {"w": jnp.arange(128 * 256, dtype=jnp.float32).reshape(128, 256)}
+    model = jaxcore.ModelFns(
+        init=lambda rng, batch: (weights, {}),
+        apply=lambda p, s, batch, rng, train: (batch["x"] @ p["w"], s),
+    )
+    args = (model, jaxcore.make_optimizer("adam"), {"x": jnp.ones((2, 128))})
+    kwargs = {"seed": 0, "mesh": jaxcore.make_mesh({"data": -1})}
+    previous = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 4096)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "A large amount of constants")
+            state = (
+                jaxcore.start_train_state(*args, **kwargs).result()
+                if pending
+                else jaxcore.init_train_state(*args, **kwargs)
+            )
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", previous)
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), np.asarray(weights["w"]))
