@@ -103,8 +103,9 @@ def reference_path(size: dict[str, int], batch: int) -> tuple[Any, float]:
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o, loss
 
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-    cost = jax.jit(step).lower(params, tx.init(params)).cost_analysis()
+    # the compiled program's cost analysis (a lowered one has no FLOPs on GPU)
+    jitted = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params)).compile()
+    cost = jitted.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     flops = float((cost or {}).get("flops", float("nan")))
     holder = {"p": params, "o": tx.init(params)}
