@@ -10,8 +10,11 @@ bfloat16 (float32 params and optimizer state) in three ways, on the same batch s
 - (t) ``JaxModule.from_torch`` on the same encoder written in torch
   (``nn.TransformerEncoder``, ``norm_first``), traced by torchax.
 
-MFU = model FLOPs per step (XLA's cost analysis of the reference step) x steps/s / the chip's
-dense bf16 peak (H100/H200: 989 TFLOP/s; unknown chips print n/a). ``--dry-run`` runs the same
+MFU = model FLOPs per step x steps/s / the chip's dense bf16 peak (H100/H200: 989 TFLOP/s;
+unknown chips print n/a). Model FLOPs are counted from the shapes (:func:`model_flops`: the
+matmuls and attention, 3x the forward for a training step); XLA's cost analysis of the compiled
+step is printed beside them (on a GPU it misses work done in library calls, and it changed
+between two compiles of the same step: 950 and 729 GFLOP). ``--dry-run`` runs the same
 code on CPU with tiny sizes (the suite runs it, so this script cannot rot).
 
 Run: ``.venv/bin/python benchmarks/gpu_encoder.py [--dry-run] [--steps 20] [--batch 16]``.
@@ -82,6 +85,15 @@ class TorchEncoder(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.encoder(self.proj(x)))
         return self.head(h.mean(dim=1))
+
+
+def model_flops(size: dict[str, int], batch: int) -> float:
+    """Matmul and attention FLOPs of one training step (forward x 3), from the shapes."""
+    tokens = batch * size["frames"]
+    d, t = size["d"], size["frames"]
+    layer = 2 * tokens * (4 * d * d + 2 * d * size["mlp"]) + 4 * batch * t * t * d
+    forward = 2 * tokens * size["mels"] * d + size["layers"] * layer + 2 * batch * d * 10
+    return 3.0 * forward
 
 
 def reference_path(size: dict[str, int], batch: int) -> tuple[Any, float]:
@@ -170,7 +182,8 @@ def main() -> None:
 
     from torchshell import JaxModule
 
-    ref, flops = reference_path(size, batch)
+    ref, xla_flops = reference_path(size, batch)
+    flops = model_flops(size, batch)
     tx = jaxcore.make_optimizer("adam", lr=1e-4)
     flax_module = JaxModule(
         FlaxEncoder(size["d"], size["layers"], size["heads"], size["mlp"]),
@@ -205,7 +218,8 @@ def main() -> None:
                 r,
                 ratio=None if name.startswith("(r)") else med / ref_med,
                 ratio_to=None if name.startswith("(r)") else "this / (r)",
-                note=f"{mfu}; {flops / 1e9:,.1f} GFLOP/step; {kind}",
+                note=f"{mfu}; {flops / 1e9:,.1f} model GFLOP/step, XLA counts "
+                f"{xla_flops / 1e9:,.1f}; {kind}",
             )
         )
     print(_stats.markdown(rows))
