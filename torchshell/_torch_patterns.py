@@ -460,9 +460,18 @@ def tracing() -> Iterator[None]:
     Also torchmetrics' input checks off (``_*_tensor_validation``: ``torch.unique`` of the
     predictions, a shape that depends on values), so its functional metrics
     (``torchmetrics.functional.accuracy(preds, y, task="multiclass", ...)``) trace.
+
+    Attention (``F.scaled_dot_product_attention``) always takes torch's math path here, which
+    by default computes bfloat16/float16 inputs in float32; torch's fused kernels, which a
+    torch user gets on a GPU, keep them in the reduced precision (accumulating in float32, as
+    XLA's dots do). The math path is allowed the same while tracing
+    (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``): under ``bf16-mixed`` the
+    attention matmuls of a ported ``nn.TransformerEncoder`` were float32, the rest bfloat16.
     """
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
+    reduced_sdpa = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     checks = _metric_checks()
     losses = {(F, name): getattr(F, name) for name in ("cross_entropy", "nll_loss")}
     torchax_log = logging.getLogger("torchax.tensor")
@@ -479,6 +488,7 @@ def tracing() -> Iterator[None]:
         for (module, name), check in {**checks, **losses}.items():
             setattr(module, name, check)
         torch.backends.mha.set_fastpath_enabled(fast)
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced_sdpa)
         torchax_log.removeFilter(_not_data_copy)
 
 

@@ -6,6 +6,7 @@ the traced apply) and checks the outcome against torch itself.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,27 @@ def test_tensors_built_like_traced_ones_stay_in_the_graph_not_constants_of_their
     assert [c.shape for c in consts if getattr(c, "nbytes", 0) >= scores] == []
     with torch.no_grad():  # and still the layer's own numbers
         np.testing.assert_allclose(np.asarray(out(params)), layer(xt).numpy(), atol=1e-5)
+
+
+def test_attention_of_a_ported_encoder_computes_in_the_step_compute_dtype():
+    # torch's math attention (the path a trace takes) upcasts bf16 to float32; its fused
+    # kernels (what a torch user gets on a GPU) do not: the port follows the fused kernels
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    fns = torch_model_fns(layer)
+    batch = {"x": jnp.ones((2, 8, 16)), "y": jnp.ones((2, 8, 16))}
+    tx = optax.sgd(0.1)
+    mesh = jaxcore.make_mesh({"data": 1}, jax.devices()[:1])
+    state = jaxcore.init_train_state(fns, tx, batch, seed=0, mesh=mesh)
+
+    def mse(out: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
+        return ((out - batch["y"]) ** 2).mean(axis=(1, 2)), {}
+
+    step = jaxcore.make_train_step(fns, mse, tx, compute_dtype=jnp.bfloat16)
+    text = step.lower(state, batch).as_text()
+    results = re.findall(r"stablehlo.dot_general .*-> tensor<[\dx]*x(\w+)>", text)
+    assert len(results) >= 12 and set(results) == {"bf16"}, results
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()  # restored
 
 
 # -- eval-mode fast paths take the math path ----------------------------------------------
