@@ -19,7 +19,8 @@ torchax alone stops there. This environment traces four such patterns instead:
   (:class:`Reads` in ``probe`` mode) and handed to the compiled step as a static value.
 
 A scalar read is any of ``Tensor.item``, ``bool``, ``int``, ``float``, ``__index__`` and
-``torch.equal``. Reads are numbered in the order the traced code makes them; discovery learns
+``torch.equal`` (or ``aten._local_scalar_dense``, where a read inside a torch function lands).
+Reads are numbered in the order the traced code makes them; discovery learns
 which are host reads, and the step matches them by that number.
 """
 
@@ -242,6 +243,15 @@ def _scalar_reads(env: Any, reads: Reads) -> None:
         return reads.read(eq, bool, reads.decide)
 
     env.override_op_definition(torch.equal, equal)
+
+    # A read inside a torch function torchax runs as Python (``F.gaussian_nll_loss``'s
+    # ``torch.any(var < 0)``) reaches aten, not the methods above.
+    def local_scalar(t: Any) -> Any:
+        if t.dtype == torch.bool:
+            return reads.read(t, as_bool, branch)
+        return reads.read(t, lambda x: x.item(), None)
+
+    env.override_op_definition(torch.ops.aten._local_scalar_dense.default, local_scalar)
 
 
 # Factories whose values do not depend on their tensor input's values, only its shape

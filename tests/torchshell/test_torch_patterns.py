@@ -219,6 +219,48 @@ def test_layer_drop_is_a_traced_branch_that_varies_per_step_like_torch():
     assert all(np.isfinite(np.asarray(g)).all() for g in grads.values())
 
 
+class _Heteroscedastic(nn.Module):
+    """Predicts a mean and a variance: torch's own Gaussian NLL, whose check
+    ``torch.any(var < 0)`` reads the (traced) variance inside ``F.gaussian_nll_loss``."""
+
+    def __init__(self, positive: bool) -> None:
+        super().__init__()
+        self.lin, self.positive = nn.Linear(4, 2), positive
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        var = out[:, 1].exp() if self.positive else out[:, 1]
+        return F.gaussian_nll_loss(out[:, 0], y, var)
+
+
+def test_a_check_on_a_traced_value_inside_a_torch_function_branches_like_torch():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8)
+    batch = {"x": jnp.asarray(x.numpy()), "y": jnp.asarray(y.numpy())}
+    net = _Heteroscedastic(positive=True)
+    fns = torch_model_fns(net, ("x", "y"))
+    params, state = fns.init(jax.random.key(0), batch)
+
+    def loss(p: Any) -> jax.Array:
+        return fns.apply(p, state, batch, jax.random.key(0), True)[0]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    want = net(x, y)
+    want.backward()
+    np.testing.assert_allclose(float(value), want.item(), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(grads["lin.weight"]), net.lin.weight.grad.numpy(), rtol=1e-4, atol=1e-6
+    )
+
+    # a negative variance fails the step with torch's message, as torch raises
+    bad = torch_model_fns(_Heteroscedastic(positive=False), ("x", "y"))
+    p, s = bad.init(jax.random.key(0), batch)
+    with pytest.raises(Exception, match="var has negative entry"):
+        jax.block_until_ready(
+            jax.jit(bad.apply, static_argnums=4)(p, s, batch, jax.random.key(0), True)
+        )
+
+
 def test_too_many_traced_branches_in_one_call_are_refused_with_the_fix():
     class Drops(nn.Module):
         def __init__(self) -> None:
