@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -575,6 +576,84 @@ def test_stock_torch_losses_train_as_plain_lightning(tmp_path: Path, name: str) 
     loader = DataLoader(data, batch_size=16)
     runs = fit_plain_and_ported(lambda: _StockLoss(name), tmp_path, loader, max_epochs=1)
     assert_fit_like_plain(runs, rtol=1e-5, atol=1e-6)
+
+
+def _weights(o: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([1.0, 2.0, 0.5, 1.0], device=o.device)
+
+
+def _focal(o: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    from torchvision.ops import sigmoid_focal_loss
+
+    return sigmoid_focal_loss(o, b, reduction="mean")
+
+
+# (outputs o [B, 4], class indices y [B], regression targets z [B, 4], binary labels b [B, 4])
+_FORWARD_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "poisson_nll": lambda o, y, z, b: F.poisson_nll_loss(o, z.abs()),
+    "poisson_nll_rate": lambda o, y, z, b: F.poisson_nll_loss(o.exp(), z.abs(), log_input=False),
+    "kl_div": lambda o, y, z, b: F.kl_div(
+        F.log_softmax(o, -1), F.softmax(z, -1), reduction="batchmean"
+    ),
+    "huber": lambda o, y, z, b: F.huber_loss(o, z, delta=0.5),
+    "smooth_l1": lambda o, y, z, b: F.smooth_l1_loss(o, z, beta=0.5),
+    "soft_margin": lambda o, y, z, b: F.soft_margin_loss(o, b * 2 - 1),
+    "multi_margin": lambda o, y, z, b: F.multi_margin_loss(o, y),
+    "hinge_embedding": lambda o, y, z, b: F.hinge_embedding_loss(o, b * 2 - 1),
+    "margin_ranking": lambda o, y, z, b: F.margin_ranking_loss(o[:, 0], o[:, 1], b[:, 0] * 2 - 1),
+    "bce": lambda o, y, z, b: F.binary_cross_entropy(torch.sigmoid(o), b),
+    "bce_logits_pos_weight": lambda o, y, z, b: F.binary_cross_entropy_with_logits(
+        o, b, pos_weight=_weights(o)
+    ),
+    "nll_weight_ignore": lambda o, y, z, b: F.nll_loss(
+        F.log_softmax(o, -1), torch.where(y == 3, -100, y), weight=_weights(o)
+    ),
+    "cross_entropy_smoothing": lambda o, y, z, b: F.cross_entropy(o, y, label_smoothing=0.1),
+    "cross_entropy_soft": lambda o, y, z, b: F.cross_entropy(o, F.softmax(z, -1)),
+    "multilabel_soft_margin": lambda o, y, z, b: F.multilabel_soft_margin_loss(o, b),
+    "gaussian_nll_predicted_var": lambda o, y, z, b: F.gaussian_nll_loss(
+        o[:, :2], z[:, :2], o[:, 2:].exp()
+    ),
+    "cosine_similarity": lambda o, y, z, b: (1 - F.cosine_similarity(o, z)).mean(),
+    "torchvision_sigmoid_focal": lambda o, y, z, b: _focal(o, b),
+}
+
+
+class _LossInForward(nn.Module):
+    def __init__(self, loss: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.lin, self.loss = nn.Linear(8, 4), loss
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        x, *targets = batch
+        return self.loss(self.lin(x), *targets)
+
+
+@pytest.mark.parametrize("name", list(_FORWARD_LOSSES))
+def test_stock_losses_in_a_forward_match_torch_value_and_grad(name: str) -> None:
+    """torch's losses (and torchvision's focal loss) as a team writes them in a forward, with
+    their value checks: the traced loss and its gradient are torch's."""
+    g = torch.Generator().manual_seed(0)
+    x, z = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    y = torch.randint(0, 4, (16,), generator=g)
+    b = (torch.rand(16, 4, generator=g) > 0.5).float()
+    torch.manual_seed(0)
+    net = _LossInForward(_FORWARD_LOSSES[name])
+    keys = ("x", "y", "z", "b")
+    fns = torch_model_fns(net, keys)
+    batch = {k: jnp.asarray(t.numpy()) for k, t in zip(keys, (x, y, z, b), strict=True)}
+    params, state = fns.init(jax.random.key(0), batch)
+
+    def loss(p: Any) -> jax.Array:
+        return fns.apply(p, state, batch, jax.random.key(0), True)[0]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    want = net(x, y, z, b)
+    want.backward()
+    np.testing.assert_allclose(float(value), want.item(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(grads["lin.weight"]), net.lin.weight.grad.numpy(), rtol=1e-4, atol=1e-6
+    )
 
 
 class _STFTFrontEnd(L.LightningModule):
