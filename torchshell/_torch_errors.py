@@ -16,6 +16,7 @@ DATA_DEPENDENT = (
     jax.errors.TracerBoolConversionError,
     jax.errors.TracerIntegerConversionError,
     jax.errors.TracerArrayConversionError,
+    jax.errors.NonConcreteBooleanIndexError,  # x[mask] with a traced mask
 )
 FLAX_ROUTE = (
     "or take the Flax route: write the model in Flax (jaxcore.linen_model) and keep this "

@@ -372,6 +372,21 @@ def test_a_number_from_the_weights_is_still_reported_with_the_module():
         torch_model_fns(FromWeights(), example={"x": torch.ones(2, 4)})
 
 
+def test_boolean_indexing_by_a_traced_mask_is_reported_with_the_fix():
+    # torchvision's generalized_box_iou_loss writes intsctk[mask] = (x2[mask] - x1[mask]) * ...
+    class Positive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x)
+            return out[out > 0].sum()
+
+    with pytest.raises(TorchModelError, match=r"<root> \(Positive\).*masks instead of boolean"):
+        torch_model_fns(Positive()).init(jax.random.key(0), {"x": jnp.ones((2, 4))})
+
+
 # -- packed sequences run as masks (torchshell/_packed.py) ---------------------------------
 class _PackedRNN(L.LightningModule):
     """A team's RNN classifier over padded token batches with their lengths, packed."""
