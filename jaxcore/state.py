@@ -106,8 +106,8 @@ def _lowered_init(
 
     rng = jax.random.key(seed)
     # Arrays the init closes over (a ported torch module's weights) become arguments of the
-    # program, not constants in it: no copy of the weights in the compiled code or its
-    # persistent-cache key, so another module of the same shapes hits the cache.
+    # program, not constants in it: no copy of the weights in the compiled code or in its
+    # persistent-cache key.
     closed, abstract = jax.make_jaxpr(init, return_shape=True)(rng)
     treedef = jax.tree.structure(abstract)
 
