@@ -85,7 +85,7 @@ def _lowered_init(
     seed: int,
     mesh: Mesh,
     param_shardings: Any,
-) -> tuple[Any, tuple[list[Any], jax.Array], TrainState]:
+) -> tuple[Any, tuple[Any, ...], TrainState]:
     """The init program lowered for its out-shardings, its arguments (the arrays it closes
     over, its key), and the placed abstract state."""
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), sample_batch)
@@ -105,24 +105,28 @@ def _lowered_init(
         )
 
     rng = jax.random.key(seed)
-    # Arrays the init closes over (a ported torch module's weights) become arguments of the
-    # program, not constants in it: no copy of the weights in the compiled code or in its
-    # persistent-cache key.
-    closed, abstract = jax.make_jaxpr(init, return_shape=True)(rng)
-    treedef = jax.tree.structure(abstract)
-
-    def run(consts: list[Any], rng: jax.Array) -> TrainState:
-        return jax.tree.unflatten(treedef, jax.core.eval_jaxpr(closed.jaxpr, consts, rng))
-
+    abstract = jax.eval_shape(init, rng)
     if param_shardings is None:
         out_shardings = replicated(mesh, abstract)
     elif callable(param_shardings):
         out_shardings = param_shardings(abstract)
     else:
         out_shardings = param_shardings
-    args = (list(closed.consts), rng)
-    lowered = jax.jit(run, out_shardings=out_shardings).lower(*args)
-    return lowered, args, lowered.out_info
+    traced = jax.jit(init, out_shardings=out_shardings).trace(rng)  # (the eval_shape trace)
+    closed = traced.jaxpr
+    if not closed.consts:
+        lowered = traced.lower()
+        return lowered, (rng,), lowered.out_info
+    # Arrays the init closes over (a ported torch module's weights) become arguments of the
+    # program, not constants in it: no copy of the weights in the compiled code or in its
+    # persistent-cache key.
+    treedef = jax.tree.structure(abstract)
+
+    def run(consts: list[Any], rng: jax.Array) -> TrainState:
+        return jax.tree.unflatten(treedef, jax.core.eval_jaxpr(closed.jaxpr, consts, rng))
+
+    lowered = jax.jit(run, out_shardings=out_shardings).lower(list(closed.consts), rng)
+    return lowered, (list(closed.consts), rng), lowered.out_info
 
 
 def start_train_state(
