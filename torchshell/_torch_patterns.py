@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch.nn.functional as F
 from jax._src import config as jax_config
@@ -43,6 +44,7 @@ from torch import nn
 
 from torchshell._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell._errors import TorchModelError
+from torchshell._hf import uncached
 from torchshell._packed import packed_as_masks
 
 _BATCH_NORM_OPS = (
@@ -493,7 +495,7 @@ def tracing() -> Iterator[None]:
         for (module, name), loss in losses.items():
             setattr(module, name, _class_index_checked(loss))
         # constants fold (ops over traced values do not: _folded_when_concrete)
-        with jax.ensure_compile_time_eval(), packed_as_masks(), hf_ctc_shape_static():
+        with jax.ensure_compile_time_eval(), packed_as_masks(), hf_ctc_shape_static(), uncached():
             yield  # packed sequences are masks
     finally:
         for (module, name), check in {**checks, **losses}.items():
@@ -695,11 +697,28 @@ def _traced(value: Any) -> bool:
     return any(map(traced, value if isinstance(value, list | tuple) else [value]))
 
 
-def plain(x: Any) -> Any:
+def plain(x: Any, where: str = "the output") -> Any:
     """Outputs JAX can return: mapping types JAX does not know (transformers' ``ModelOutput``)
-    become dicts of their set fields."""
-    if isinstance(x, Mapping) and type(x) is not dict:
-        return {k: plain(v) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(plain(v) for v in x)
-    return x
+    become dicts of their set fields; anything else that is not arrays is refused.
+
+    Raises:
+        TorchModelError: a field holds a Python object (a transformers ``DynamicCache``
+            from ``use_cache=True``, a string), naming the field.
+    """
+    if isinstance(x, Mapping):
+        return {k: plain(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
+        return type(x)(plain(v, f"{where}[{i}]") for i, v in enumerate(x))
+    if x is None or isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float):
+        return x
+    if hasattr(x, "_fields"):  # a namedtuple: JAX's own pytree
+        return type(x)(*(plain(v, f"{where}.{f}") for f, v in zip(x._fields, x, strict=True)))
+    fix = (
+        "call the model with use_cache=False (a training step keeps no KV cache)"
+        if "cache" in type(x).__name__.lower()
+        else "return tensors (or dicts, lists, tuples of them) from forward"
+    )
+    raise TorchModelError(
+        f"{where} is a {type(x).__module__}.{type(x).__qualname__}, not a tensor: a compiled "
+        f"step returns arrays only. Fix: {fix}."
+    )

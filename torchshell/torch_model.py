@@ -40,6 +40,7 @@ import bridge
 from jaxcore import ModelFns
 from torchshell import _torch_patterns as patterns
 from torchshell._errors import TorchModelError
+from torchshell._hf import no_kv_cache
 from torchshell._torch_errors import is_lowering_error, lowering_error
 from torchshell._torch_export import params_to_state_dict
 from torchshell._torch_static import (
@@ -185,6 +186,7 @@ class TorchTracer:
         object.__setattr__(self._bound, "fn", None if fn is module else fn)
         with (
             patterns.mode(module, train),
+            no_kv_cache(module),
             patterns.attributes_kept(module, self.carried),
             env,
             env.override_property(prng=rng),
@@ -201,7 +203,7 @@ class TorchTracer:
             finally:
                 object.__setattr__(self._bound, "fn", None)
         self._warn_carried()
-        outputs = patterns.plain(env.t2j_iso(out))
+        outputs = patterns.plain(env.t2j_iso(out), f"the output of {type(module).__name__}")
         if not train:
             return outputs, model_state
         new_state = {k: env.t2j_iso(s[k]).astype(model_state[k].dtype) for k in model_state}

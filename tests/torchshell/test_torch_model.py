@@ -366,6 +366,37 @@ def test_plain_tensor_attribute_is_reported_with_the_fix():
         torch_model_fns(Masked(), example={"x": torch.ones(2, 4)})
 
 
+def test_an_output_that_is_not_tensors_is_refused_naming_the_field_and_the_fix():
+    """A transformers decoder asked for its KV cache returns a ``DynamicCache`` object: named,
+    with ``use_cache=False`` as the fix (by default the cache is off while tracing, so
+    ``LlamaForCausalLM`` itself trains: the zoo). Before: JAX's bare TypeError."""
+    import transformers as hf
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_key_value_heads=1)
+            self.lm = hf.LlamaForCausalLM(
+                hf.LlamaConfig(num_hidden_layers=1, num_attention_heads=2, **cfg)
+            )
+
+        def forward(self, x: torch.Tensor) -> object:
+            return self.lm(input_ids=x, use_cache=True)
+
+    with pytest.raises(TorchModelError) as info:
+        torch_model_fns(Cached(), example={"x": torch.ones(2, 4, dtype=torch.long)})
+    message = str(info.value)
+    assert "the output of Cached['cache'] is a transformers.cache_utils.DynamicCache" in message
+    assert "use_cache=False" in message
+
+    class Tagged(nn.Module):
+        def forward(self, x: torch.Tensor) -> object:
+            return {"logits": x * 2, "extra": [x, "a note"]}
+
+    with pytest.raises(TorchModelError, match=r"Tagged\['extra'\]\[1\] is a builtins.str"):
+        torch_model_fns(Tagged(), example={"x": torch.ones(2, 4)})
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TorchModelError, match=r"expects a torch\.nn\.Module"):
         torch_model_fns(MLP)  # the class, not an instance

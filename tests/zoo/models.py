@@ -480,6 +480,24 @@ def _hf() -> list[Entry]:
             logits,
         ),
         Entry(
+            "BeitForImageClassification (memoized relative position index)",
+            "transformers",
+            lambda: hf.BeitForImageClassification(
+                hf.BeitConfig(
+                    image_size=32,
+                    patch_size=8,
+                    num_labels=10,
+                    use_relative_position_bias=True,
+                    **small,
+                    **nodrop,
+                )
+            ),
+            _img(32),
+            ("x",),
+            "ce",
+            logits,
+        ),
+        Entry(
             "Whisper encoder",
             "transformers",
             lambda: (
@@ -556,6 +574,20 @@ def _hf() -> list[Entry]:
             ("x", "am"),
             "ce",
             logits,
+        ),
+        Entry(
+            "LlamaForCausalLM (grouped-query attention, KV cache on by default)",
+            "transformers",
+            lambda: hf.LlamaForCausalLM(
+                hf.LlamaConfig(
+                    vocab_size=64, max_position_embeddings=32, num_key_value_heads=1, **small
+                )
+            ),
+            _tokens(),
+            ("x", "am"),
+            "ce",
+            logits,
+            trainer=True,
         ),
     ]
 
