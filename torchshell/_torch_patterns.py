@@ -321,6 +321,7 @@ def environment(reads: Reads) -> Any:
         env.override_op_definition(op, impl)
     lowerings = {
         torch.ops.aten.bincount.default: _bincount,
+        torch.ops.aten._grouped_mm.default: _grouped_mm,  # mixture-of-experts layers
         torch.ops.aten._ctc_loss.Tensor: ctc_nll,  # F.ctc_loss, nn.CTCLoss
         # (torch 2.9's own decomposition, which torchax would use, counts the target slots
         # after the first -1: a wrong loss, silently)
@@ -458,6 +459,47 @@ def _bincount(x: jax.Array, weights: jax.Array | None = None, minlength: int = 0
         )
     counts = jnp.bincount(x, weights, length=int(minlength))
     return counts if weights is not None else counts.astype(jnp.int32)
+
+
+def _grouped_mm(
+    a: jax.Array,
+    b: jax.Array,
+    offs: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    out_dtype: Any = None,
+) -> jax.Array:
+    """``torch._grouped_mm``: the experts of a mixture-of-experts layer in one matmul.
+
+    transformers' default experts (Mixtral, Qwen-MoE, OLMoE...: ``grouped_mm_experts_forward``)
+    sort the routed rows by expert and multiply ``a [rows, K]`` by ``b[g] [K, M]`` for the rows
+    of group ``g`` (``offs``: where each group ends). That is ``lax.ragged_dot`` with the
+    groups' sizes; rows past the last group come out 0 (torch leaves them unset). Batched
+    ``[G, N, K] @ [G, K, M]`` without ``offs`` is a plain matmul.
+    """
+    if bias is not None:
+        raise TorchModelError(
+            "torch._grouped_mm with bias= is not lowered to JAX (torch has it on CUDA only). "
+            "Fix: add the bias after the grouped matmul."
+        )
+    if a.ndim == 2 and b.ndim == 3 and offs is not None:
+        sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
+        out = jax.lax.ragged_dot(a, b, sizes)
+    elif a.ndim == 3 and b.ndim == 3 and offs is None:
+        out = jnp.matmul(a, b)
+    else:
+        raise TorchModelError(
+            f"torch._grouped_mm of a {a.ndim}-D by a {b.ndim}-D tensor "
+            f"{'with' if offs is not None else 'without'} offs is not lowered to JAX: only "
+            "[rows, K] x [groups, K, M] with offs (mixture-of-experts layers) and batched "
+            "[groups, N, K] x [groups, K, M]. Fix: write the experts as a loop of matmuls."
+        )
+    if out_dtype is None:
+        return out
+    from torchax.ops import mappings
+
+    return out.astype(
+        mappings.t2j_dtype(out_dtype) if isinstance(out_dtype, torch.dtype) else out_dtype
+    )
 
 
 def _not_data_copy(record: logging.LogRecord) -> bool:

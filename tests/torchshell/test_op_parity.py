@@ -39,6 +39,10 @@ def _inputs() -> dict[str, torch.Tensor]:
         "q": torch.randn(1, 2, 5, 4, generator=g),
         "am": torch.rand(5, 5, generator=g) > 0.3,
         "theta": torch.tensor([[[0.9, 0.1, 0.0], [-0.1, 1.1, 0.2]]]),
+        # mixture-of-experts rows by expert: [rows, K] x [experts, K, M], expert 1 empty
+        "gm_rows": torch.randn(7, 8, generator=g),
+        "gm_experts": torch.randn(3, 8, 8, generator=g),
+        "gm_ends": torch.tensor([2, 2, 5], dtype=torch.int32),
     }
 
 
@@ -158,6 +162,8 @@ OPS: dict[str, Any] = {
     "pairwise_distance": lambda t: F.pairwise_distance(t.v, t.v.flip(0), p=3),
     "dropout_eval": lambda t: F.dropout(t.v, 0.5, training=False),
     "alpha_dropout_eval": lambda t: F.alpha_dropout(t.v, 0.5, training=False),
+    # rows past the last group's end: unset in torch's kernel, so not compared
+    "grouped_mm": lambda t: torch._grouped_mm(t.gm_rows, t.gm_experts, offs=t.gm_ends)[:5],
     "sdpa_causal": lambda t: F.scaled_dot_product_attention(
         t.q, t.q * 0.5, t.q.flip(-1), is_causal=True
     ),

@@ -589,6 +589,24 @@ def _hf() -> list[Entry]:
             logits,
             trainer=True,
         ),
+        Entry(
+            "MixtralForCausalLM (mixture of experts: grouped matmul)",
+            "transformers",
+            lambda: hf.MixtralForCausalLM(
+                hf.MixtralConfig(
+                    vocab_size=64,
+                    max_position_embeddings=32,
+                    num_key_value_heads=1,
+                    num_local_experts=4,
+                    num_experts_per_tok=2,
+                    **small,
+                )
+            ),
+            _tokens(),
+            ("x", "am"),
+            "ce",
+            logits,
+        ),
     ]
 
 
