@@ -174,6 +174,20 @@ def test_nan_under_the_real_trainer(policy: str):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(module.state.params)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_batch_check_sees_nan_in_every_float_dtype_and_passes_large_finite_values(dtype):
+    """The sum is numpy's where a numpy view exists (not torch's thread pool); a sum that
+    overflows on large finite values (float16 past 65504) falls back to the exact check."""
+    from torchshell._batches import check_finite
+
+    big = torch.full((64, 40), 60000.0 if dtype == torch.float16 else 3e38).to(dtype)
+    check_finite({"x": big})  # finite, though its sum is not
+    bad = torch.ones(8, 4, dtype=dtype)
+    bad[5, 2] = float("nan")
+    with pytest.raises(jaxcore.BatchError, match=r"\['x'\] holds NaN or Inf in rows \[5\]"):
+        check_finite({"x": bad})
+
+
 # -- data sets ------------------------------------------------------------------------------
 def test_empty_training_split_is_refused_at_setup():
     dm = DigitsDataModule(val_fraction=0.5, test_fraction=0.6)  # nothing left to train on
