@@ -741,26 +741,33 @@ def _traced(value: Any) -> bool:
 
 def plain(x: Any, where: str = "the output") -> Any:
     """Outputs JAX can return: mapping types JAX does not know (transformers' ``ModelOutput``)
-    become dicts of their set fields; anything else that is not arrays is refused.
+    become dicts of their set fields; a leaf that is not an array or a number is refused.
 
     Raises:
-        TorchModelError: a field holds a Python object (a transformers ``DynamicCache``
-            from ``use_cache=True``, a string), naming the field.
+        TorchModelError: a field holds a Python object (a transformers ``DynamicCache`` from
+            ``use_cache=True``, a string), naming the field.
     """
+    out = _as_dicts(x)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+        if isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float):
+            continue
+        fix = (
+            "call the model with use_cache=False (a training step keeps no KV cache)"
+            if "cache" in type(leaf).__name__.lower()
+            else "return tensors (or dicts, lists, tuples of them) from forward"
+        )
+        raise TorchModelError(
+            f"{where}{jax.tree_util.keystr(path)} is a {type(leaf).__module__}."
+            f"{type(leaf).__qualname__}, not a tensor: a compiled step returns arrays only. "
+            f"Fix: {fix}."
+        )
+    return out
+
+
+def _as_dicts(x: Any) -> Any:
+    """Mappings JAX does not know as dicts, inside plain lists, tuples and dicts."""
     if isinstance(x, Mapping):
-        return {k: plain(v, f"{where}[{k!r}]") for k, v in x.items()}
-    if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
-        return type(x)(plain(v, f"{where}[{i}]") for i, v in enumerate(x))
-    if x is None or isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float):
-        return x
-    if hasattr(x, "_fields"):  # a namedtuple: JAX's own pytree
-        return type(x)(*(plain(v, f"{where}.{f}") for f, v in zip(x._fields, x, strict=True)))
-    fix = (
-        "call the model with use_cache=False (a training step keeps no KV cache)"
-        if "cache" in type(x).__name__.lower()
-        else "return tensors (or dicts, lists, tuples of them) from forward"
-    )
-    raise TorchModelError(
-        f"{where} is a {type(x).__module__}.{type(x).__qualname__}, not a tensor: a compiled "
-        f"step returns arrays only. Fix: {fix}."
-    )
+        return {k: _as_dicts(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_as_dicts(v) for v in x)
+    return x
