@@ -157,3 +157,82 @@ def test_steps_per_call_refuses_other_values() -> None:
 
     with pytest.raises(ConfigError, match="'auto' or an int >= 1"):
         JaxModule(MLP(), jaxcore.softmax_cross_entropy, None, steps_per_call="fast")
+
+
+# -- a plain TensorDataset loader, read by gathers while a fit runs -------------------------
+def _shuffled(seed: int, **kwargs: Any) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.rand(100, 6, generator=g),
+        torch.randint(0, 10, (100,), generator=g),  # int64
+        torch.rand(100, 2, 3, generator=g).double(),
+        torch.rand(100, generator=g) > 0.5,
+    )
+    return DataLoader(
+        data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(seed), **kwargs
+    )
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_gathered_batches_are_the_loaders_own(drop_last: bool) -> None:
+    """Same rows in the same order (the sampler's draws), same types, dtypes, shapes, values."""
+    from torchshell.data._gathered import read_by_gathers, read_normally
+
+    plain = list(_shuffled(3, drop_last=drop_last))
+    loader = _shuffled(3, drop_last=drop_last)
+    read_by_gathers(loader)
+    gathered = list(loader)
+    read_normally(loader)
+    assert len(gathered) == len(plain) == (6 if drop_last else 7)
+    for a, b in zip(plain, gathered, strict=True):
+        assert type(a) is type(b) is list
+        for x, y in zip(a, b, strict=True):
+            assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
+            assert torch.equal(x, y)
+    assert "_get_iterator" not in vars(loader)
+
+
+class _Reads(L.Callback):
+    def __init__(self) -> None:
+        self.gathered: list[bool] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.gathered.append("_get_iterator" in vars(trainer.train_dataloader))
+
+
+def test_a_fit_on_a_plain_tensor_dataset_trains_as_the_loader_reads_it() -> None:
+    """The gathered fit trains to the very weights of a fit on the loader's own reads; the
+    loader reads as before once the fit ends, and other loaders are left alone."""
+    import torchshell.data._gathered as gathered_reads
+
+    def fit(gather: bool) -> tuple[Any, list[bool], DataLoader[Any]]:
+        x, y = _shuffled(7).dataset.tensors[:2]
+        loader = DataLoader(
+            TensorDataset(x, y),
+            batch_size=16,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(7),
+        )
+        module = JaxModule(
+            MLP(features=(16,)),
+            jaxcore.softmax_cross_entropy,
+            jaxcore.make_optimizer(lr=1e-2),
+            mesh=jaxcore.make_mesh({"data": -1}, num_devices=1),
+            steps_per_call=1,  # the same program both times: bitwise-equal weights
+            print_summary=False,
+        )
+        reads = _Reads()
+        with pytest.MonkeyPatch.context() as patch:
+            if not gather:
+                patch.setattr(gathered_reads, "gatherable", lambda loader: False)
+            quiet_trainer(max_epochs=2, callbacks=[reads]).fit(module, loader)
+        return jax.device_get(module.state.params), reads.gathered, loader
+
+    normal, seen_normal, _ = fit(gather=False)
+    gathered, seen, loader = fit(gather=True)
+    assert seen and all(seen) and not any(seen_normal)
+    jax.tree.map(np.testing.assert_array_equal, gathered, normal)
+    assert "_get_iterator" not in vars(loader)
+
+    custom = DataLoader(loader.dataset, batch_size=16, collate_fn=lambda rows: rows)
+    assert not gathered_reads.gatherable(custom)

@@ -5,6 +5,7 @@ from torchshell.data._loader import (
     batch_collate,
     forking_loaders,
     loader_kwargs,
+    loaders_in,
     stop_workers,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "batch_collate",
     "forking_loaders",
     "loader_kwargs",
+    "loaders_in",
     "stop_workers",
 ]

@@ -176,14 +176,8 @@ def forking_loaders(loaders: Any) -> list[DataLoader]:
     import multiprocessing as mp
 
     found: list[DataLoader] = []
-    pending = [loaders]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list | tuple):
-            pending.extend(item)
-        elif isinstance(item, DataLoader) and item.num_workers > 0:
+    for item in loaders_in(loaders):
+        if item.num_workers > 0:
             context = item.multiprocessing_context
             method = (
                 context.get_start_method()
@@ -192,4 +186,25 @@ def forking_loaders(loaders: Any) -> list[DataLoader]:
             )
             if method == "fork":
                 found.append(item)
+    return found
+
+
+def loaders_in(loaders: Any) -> list[DataLoader]:
+    """The torch ``DataLoader``s in what the Trainer holds (a loader, lists/dicts of them).
+
+    Example:
+        >>> data = torch.utils.data.TensorDataset(torch.ones(4))
+        >>> len(loaders_in({"a": DataLoader(data), "b": [DataLoader(data), None]}))
+        2
+    """
+    found: list[DataLoader] = []
+    pending = [loaders]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, DataLoader):
+            found.append(item)
     return found[::-1]

@@ -1,0 +1,74 @@
+"""A plain ``TensorDataset`` loader read with one gather per field: the same batches, faster.
+
+``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)`` builds every batch by
+calling ``dataset[i]`` 64 times and stacking the rows (``default_collate``): ~200 µs a batch
+here, a third of a small model's step. Indexing each tensor once with the batch's indices,
+``[x[idx], y[idx]]``, gives the same list of tensors (values, dtypes, shapes, layout) in
+~40 µs. While a ``JaxModule`` trains, its training loaders that are exactly that (a
+``TensorDataset``, the default collate, no workers) read batches this way: the loader's own
+iterator still draws the indices (sampler, shuffle seed, ``drop_last``, pinning unchanged),
+only the fetch of the rows is replaced. Anything else (a ``Dataset`` subclass, a custom
+``collate_fn``, workers) is read as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset, default_collate
+
+
+class _Gather:
+    """Stands in for torch's map-style fetcher: ``fetch(indices)`` gathers each tensor."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.tensors = tensors
+
+    def fetch(self, index: Any) -> list[torch.Tensor]:
+        rows = torch.as_tensor(index, dtype=torch.long)
+        return [t[rows] for t in self.tensors]
+
+
+def _gathering_iterator(loader: DataLoader) -> Any:
+    it = DataLoader._get_iterator(loader)  # the loader's own: indices, seed, pinning
+    it._dataset_fetcher = _Gather(loader.dataset.tensors)  # type: ignore[attr-defined]
+    return it
+
+
+def gatherable(loader: Any) -> bool:
+    """Whether ``loader`` reads a plain ``TensorDataset`` in batches, in this process.
+
+    Example:
+        >>> data = TensorDataset(torch.arange(6.0), torch.arange(6))
+        >>> own = DataLoader(data, batch_size=2, collate_fn=lambda rows: rows)
+        >>> gatherable(DataLoader(data, batch_size=2)), gatherable(own)
+        (True, False)
+    """
+    return (
+        type(loader) is DataLoader
+        and type(loader.dataset) is TensorDataset
+        and loader.num_workers == 0
+        and loader.batch_sampler is not None
+        and loader.collate_fn is default_collate
+    )
+
+
+def read_by_gathers(loader: DataLoader) -> None:
+    """From now on ``loader``'s iterators fetch each batch with one gather per tensor.
+
+    Example:
+        >>> data = TensorDataset(torch.arange(6.0).reshape(3, 2), torch.arange(3))
+        >>> loader = DataLoader(data, batch_size=2)
+        >>> read_by_gathers(loader)
+        >>> next(iter(loader))
+        [tensor([[0., 1.],
+                [2., 3.]]), tensor([0, 1])]
+        >>> read_normally(loader)
+    """
+    loader.__dict__["_get_iterator"] = lambda: _gathering_iterator(loader)
+
+
+def read_normally(loader: DataLoader) -> None:
+    """Undoes :func:`read_by_gathers`."""
+    loader.__dict__.pop("_get_iterator", None)
