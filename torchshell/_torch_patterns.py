@@ -770,4 +770,6 @@ def _as_dicts(x: Any) -> Any:
         return {k: _as_dicts(v) for k, v in x.items()}
     if type(x) in (list, tuple):
         return type(x)(_as_dicts(v) for v in x)
+    if type(x).__module__ == "torch.return_types":  # torch.max(x, 1): (values, indices)
+        return tuple(_as_dicts(v) for v in x)
     return x

@@ -396,6 +396,16 @@ def test_an_output_that_is_not_tensors_is_refused_naming_the_field_and_the_fix()
     with pytest.raises(TorchModelError, match=r"Tagged\['extra'\]\[1\] is a builtins.str"):
         torch_model_fns(Tagged(), example={"x": torch.ones(2, 4)})
 
+    class Best(nn.Module):  # torch.max's (values, indices) comes back as a tuple
+        def forward(self, x: torch.Tensor) -> object:
+            return torch.max(x, 1)
+
+    values, indices = torch_model_fns(Best(), example={"x": torch.ones(2, 4)}).apply(
+        {}, {}, {"x": jnp.arange(8.0).reshape(2, 4)}, jax.random.key(0), False
+    )[0]
+    np.testing.assert_array_equal(np.asarray(values), [3.0, 7.0])
+    np.testing.assert_array_equal(np.asarray(indices), [3, 3])
+
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TorchModelError, match=r"expects a torch\.nn\.Module"):
