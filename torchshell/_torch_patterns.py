@@ -502,6 +502,38 @@ def _grouped_mm(
     )
 
 
+def _view_setitem(original: Callable[..., None]) -> Callable[..., None]:
+    """torchax's ``View.__setitem__`` taking tensor indices, a boolean mask shape-statically.
+
+    ``view[mask] = value`` on a view (transformers' Longformer:
+    ``extended_attention_mask[attention_mask == 2] = finfo.max`` on a slice) failed in
+    torchax 0.0.13: the index stayed a torchax tensor inside ``jax_array.at[...]`` (an
+    IndexError), and a traced mask there would need its nonzero count. A boolean mask is now
+    a ``where`` over the view (torchax's own rule for tensors, ``_shape_static_boolean_index_put``),
+    other tensor indices are unwrapped to arrays.
+    """
+
+    def setitem(self: Any, indexes: Any, value: Any) -> None:
+        def unwrap(x: Any) -> Any:
+            return x.jax() if hasattr(x, "jax") and not isinstance(x, jax.Array) else x
+
+        parts = tuple(map(unwrap, indexes)) if isinstance(indexes, tuple) else (unwrap(indexes),)
+        mask = parts[0] if len(parts) == 1 else None
+        if not (isinstance(mask, jax.Array) and mask.dtype == jnp.bool_):
+            return original(self, parts if isinstance(indexes, tuple) else parts[0], value)
+        from torchax.ops.jaten import _shape_static_boolean_index_put
+
+        current = self.jax()
+        value = unwrap(value)
+        if isinstance(value, torch.Tensor):  # a plain CPU tensor
+            value = value.numpy(force=True)
+        new = _shape_static_boolean_index_put(current, mask, jnp.asarray(value, current.dtype))
+        self.update(new_values=new)
+        return None
+
+    return setitem
+
+
 def _not_data_copy(record: logging.LogRecord) -> bool:
     """torchax's note that ``t.data`` copies on TPU: about eager runs, not a traced step
     (``lightning.pytorch.utilities.grad_norm`` reads ``p.grad.data``)."""
@@ -531,6 +563,10 @@ def tracing() -> Iterator[None]:
     losses = {(F, name): getattr(F, name) for name in ("cross_entropy", "nll_loss")}
     torchax_log = logging.getLogger("torchax.tensor")
     torchax_log.addFilter(_not_data_copy)
+    from torchax.view import View
+
+    view_setitem = View.__setitem__
+    View.__setitem__ = _view_setitem(view_setitem)  # type: ignore[method-assign]
     try:
         for module, name in checks:
             setattr(module, name, _no_check)
@@ -545,6 +581,7 @@ def tracing() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fast)
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced_sdpa)
         torchax_log.removeFilter(_not_data_copy)
+        View.__setitem__ = view_setitem  # type: ignore[method-assign]
 
 
 def check_class_target(loss: str, input_ndim: int, target: Any) -> None:

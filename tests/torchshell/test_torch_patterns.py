@@ -109,6 +109,42 @@ def test_tensors_built_like_traced_ones_stay_in_the_graph_not_constants_of_their
         np.testing.assert_allclose(np.asarray(out(params)), layer(xt).numpy(), atol=1e-5)
 
 
+class _ViewWrites(nn.Module):
+    """Writes through views by a mask and by index tensors, as transformers' Longformer does
+    (``extended_attention_mask[attention_mask == 2] = finfo.max`` on a slice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        view = h[:, 1:]  # a view of h
+        view[flags[:, 1:] == 2] = -1.0  # a batch mask: traced in the step
+        view[view > 0.5] = torch.tensor(0.5)  # a mask from the weights
+        h[:, :2][torch.tensor([1, 0])] = h[:2, 4:].clone()  # index tensors: rows swapped
+        return h
+
+
+def test_writes_through_a_view_by_a_mask_or_index_tensors_match_torch():
+    """Before: IndexError inside torchax (the index stayed a torchax tensor)."""
+    torch.manual_seed(0)
+    net = _ViewWrites()
+    xt = torch.randn(5, 6)
+    flags = torch.tensor([[0, 2, 0, 0, 2, 0], [0, 0, 0, 0, 0, 0]] * 2 + [[2] * 6])
+    fns = torch_model_fns(net, inputs=("x", "flags"))
+    batch = {"x": jnp.asarray(xt.numpy()), "flags": jnp.asarray(flags.numpy(), jnp.int32)}
+    params, state = fns.init(jax.random.key(0), batch)
+    apply = jax.jit(lambda p, b: fns.apply(p, state, b, jax.random.key(0), True)[0])
+    grads = jax.grad(lambda p: apply(p, batch).sum())(params)
+    out = torch.func.functional_call(net, dict(net.named_parameters()), (xt, flags))
+    np.testing.assert_allclose(np.asarray(apply(params, batch)), out.detach().numpy(), atol=1e-6)
+    out.sum().backward()
+    np.testing.assert_allclose(
+        np.asarray(grads["lin.weight"]), net.lin.weight.grad.numpy(), atol=1e-6
+    )
+
+
 def test_attention_of_a_ported_encoder_computes_in_the_step_compute_dtype():
     # torch's math attention (the path a trace takes) upcasts bf16 to float32; its fused
     # kernels (what a torch user gets on a GPU) do not: the port follows the fused kernels
