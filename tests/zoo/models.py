@@ -607,6 +607,19 @@ def _hf() -> list[Entry]:
             "ce",
             logits,
         ),
+        Entry(
+            "MambaForCausalLM (selective state space, cache on by default)",
+            "transformers",
+            lambda: hf.MambaForCausalLM(
+                hf.MambaConfig(
+                    vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2
+                )
+            ),
+            _tokens(),
+            ("x",),
+            "ce",
+            logits,
+        ),
     ]
 
 
