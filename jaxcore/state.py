@@ -13,6 +13,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxcore.compile import gc_paused
 from jaxcore.model import Batch, ModelFns
 
 PyTree = Any
@@ -151,7 +152,8 @@ def start_train_state(
         >>> pending.abstract.params["layers_0"]["kernel"].shape, int(pending.result().step)
         ((64, 8), 0)
     """
-    lowered, args, placed = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
+    with gc_paused():
+        lowered, args, placed = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
     return PendingState(_background(lowered.compile), args, placed)
 
 
@@ -193,7 +195,8 @@ def init_train_state(
         >>> int(st.step)
         0
     """
-    lowered, args, _ = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
+    with gc_paused():
+        lowered, args, _ = _lowered_init(model, tx, sample_batch, seed, mesh, param_shardings)
     return lowered.compile()(*args)  # type: ignore[no-any-return]
 
 
