@@ -1,8 +1,15 @@
-"""The user's path: every peer reads the same plain ``DataLoader`` over one ``TensorDataset``.
+"""The user's path: every peer reads the same ``DataLoader`` object, in a form users bring.
 
-``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)``, exactly as a user writes it,
-is the one loader object every path below iterates (no recipe data module, no gathered
-batches, no collate written for coreshell):
+Three forms of one loader over scikit-learn's digits (batch 64, shuffled), each exactly as a
+user writes it (no recipe data module, nothing written for coreshell):
+
+- ``"dict collate"``: ``DataLoader(TensorDataset(x, y), collate_fn=...)`` whose collate
+  stacks the rows into ``{"x": ..., "y": ...}``;
+- ``"TensorDataset tuples"``: ``DataLoader(TensorDataset(x, y))``, batches ``[x, y]``;
+- ``"Dataset class"``: the user's own map-style ``Dataset`` whose ``__getitem__`` returns one
+  row as a dict (the default collate stacks them).
+
+Every path below iterates the same loader object of a form:
 
 - coreshell at its defaults: ``JaxModule(model, loss, optimizer)`` as the README writes it
   (the headline row), and coreshell tuned (a second row: the settings passed in);
@@ -23,7 +30,7 @@ import jax
 import numpy as np
 import optax
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import jaxcore
 from benchmarks._peers import (
@@ -40,23 +47,52 @@ Path = Callable[[int], tuple[float, int]]
 BATCH = 64
 
 
-def digits_loader(batch_size: int = BATCH) -> DataLoader[Any]:
-    """scikit-learn's digits as a user loads them: ``TensorDataset(x, y)``, shuffled."""
+FORMS = ("dict collate", "TensorDataset tuples", "Dataset class")
+
+
+def stack_to_dict(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A user's collate: ``(x, y)`` rows stacked into a dict batch."""
+    xs, ys = zip(*rows, strict=True)
+    return {"x": torch.stack(xs), "y": torch.stack(ys)}
+
+
+class DigitsRows(Dataset[dict[str, torch.Tensor]]):
+    """A user's own map-style ``Dataset``: one row per ``__getitem__``, as a dict."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def digits_loader(form: str = "TensorDataset tuples", batch_size: int = BATCH) -> DataLoader[Any]:
+    """scikit-learn's digits as a user loads them, in one of :data:`FORMS`, shuffled."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     y = torch.tensor(digits.target, dtype=torch.int64)  # what a user has (int64 labels)
-    return DataLoader(
-        TensorDataset(x, y),
-        batch_size=batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(0),
-    )
+    kwargs: dict[str, Any] = {
+        "batch_size": batch_size,
+        "shuffle": True,
+        "generator": torch.Generator().manual_seed(0),
+    }
+    if form == "dict collate":
+        return DataLoader(TensorDataset(x, y), collate_fn=stack_to_dict, **kwargs)
+    if form == "TensorDataset tuples":
+        return DataLoader(TensorDataset(x, y), **kwargs)
+    if form == "Dataset class":
+        return DataLoader(DigitsRows(x, y), **kwargs)
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
 
 
-def _named(batch: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
-    x, y = batch
+def _named(batch: Any) -> dict[str, np.ndarray]:
+    """What a team's own step takes: the batch's two fields as numpy arrays."""
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
     return {"x": x.numpy(), "y": y.numpy()}
 
 
@@ -129,9 +165,28 @@ def hybrid_loader(model: Any, loader: Any, warmup: int) -> Path:
 
 
 def keras_loader(keras_model: Any, loader: Any, warmup: int) -> Path:
-    """Keras 3 (JAX backend) ``fit`` on the loader object itself."""
+    """Keras 3 (JAX backend) ``fit`` on the loader object itself.
+
+    Keras takes ``(x, y)`` batches only: for a loader of dicts it reads a twin loader over
+    the same dataset whose collate is the user's followed by ``(b["x"], b["y"])``, what a
+    Keras user writes (the same rows, the same collate work, one tuple more).
+    """
     from benchmarks._keras_peer import keras_path
 
+    if isinstance(next(iter(loader)), dict):
+        user_collate = loader.collate_fn
+
+        def pair(rows: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            batch = user_collate(rows)
+            return batch["x"], batch["y"]
+
+        loader = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+            collate_fn=pair,
+        )
     return keras_path(keras_model, loader, warmup=warmup)  # type: ignore[no-any-return]
 
 

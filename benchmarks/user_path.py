@@ -1,7 +1,9 @@
 """The headline benchmark: the user's own DataLoader, coreshell at its defaults.
 
-One ``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)`` over scikit-learn's digits
-(int64 labels, as ``torch.tensor`` makes them) is the one loader object every path reads:
+A ``DataLoader`` over scikit-learn's digits (batch 64, shuffled, int64 labels as
+``torch.tensor`` makes them), in each of the three forms users bring (``_user_path.FORMS``:
+a ``TensorDataset`` with a collate that makes a dict, the plain ``TensorDataset``'s tuples,
+a map-style ``Dataset`` class read row by row), is the one loader object every path reads:
 
 - (a) coreshell exactly as the README writes it: ``JaxModule(MLP(), loss, optimizer)`` under
   ``trainer.fit(module, loader)``; its defaults (``steps_per_call="auto"``, the mesh over every
@@ -13,11 +15,11 @@ One ``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)`` over scikit
 - (e) the hand-written Lightning + JAX hybrid (manual optimization, numpy hand-over).
 
 Every Lightning path runs under the same lean Trainer (no logger, bar or checkpoints). Rounds
-rotate between the paths; the table gives steps/s per round as median [min-max] and (a)'s
-ratio to each peer per round, with the issue's targets. The recipe's own data modules
-(gathered batches, ``steps_per_call=8``) are ``train_peers.py``'s rows, labelled apart.
+rotate over every (form, path) pair; the table gives, per form, steps/s per round as median
+[min-max] and (a)'s ratio to each peer per round, with the issue's targets. The recipe's own
+data modules (gathered batches, ``steps_per_call=8``) are ``train_peers.py``'s rows, labelled apart.
 
-Run: ``.venv/bin/python benchmarks/user_path.py [--rounds 7 --steps 400] [--tiny]``.
+Run: ``.venv/bin/python benchmarks/user_path.py [--rounds 7 --steps 400] [--forms ...] [--tiny]``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import statistics
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -42,27 +44,36 @@ import torch  # noqa: E402
 from benchmarks import _keras_peer, _stats  # noqa: E402
 from benchmarks import _user_path as _user  # noqa: E402
 
+if TYPE_CHECKING:
+    from torchshell import JaxModule
+
 Row = dict[str, Any]
 BATCH = _user.BATCH
 
 USER = "peers/digits MLP, user DataLoader"
 USER_A = "(a) coreshell at its defaults"
-USER_TARGETS = {"(b) pure JAX loop": 0.8, "(c) Keras 3 (JAX)": 1.1, "(e) hand-written hybrid": 1.2}
+USER_TARGETS = {"(b) pure JAX loop": 0.8, "(c) Keras 3 (JAX)": 1.1, "(e) hand-written hybrid": 1.05}
 
 
-def bench_user_path(rounds: int, steps: int, only: str = "", warmup: int = 40) -> list[Row]:
-    """The headline: one ``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)``
-    object read by every path; coreshell exactly as the README writes it, and tuned."""
+def bench_name(form: str) -> str:
+    """The benchmark's name for one loader form (``peers/digits MLP, user DataLoader: ...``)."""
+    return f"{USER}: {form}"
+
+
+def form_paths(form: str, only: str, warmup: int) -> tuple[JaxModule, dict[str, _user.Path]]:
+    """Every path on one loader object of ``form``; coreshell as the README writes it."""
     from jaxcore.models.digits import MLP
 
-    loader = _user.digits_loader()
-    # warmup: optimizer steps before the timed ones (compile, the K measurement, windows)
+    loader = _user.digits_loader(form)
     mlp = lambda: MLP(features=(256, 256))  # noqa: E731
+    # warmup: optimizer steps before the timed ones (compile, the K measurement, windows)
     shell, shell_path = _user.shell_defaults(mlp(), loader, warmup)
-    _, tuned_path = _user.shell_defaults(mlp(), loader, warmup, nan_policy="none")
-    paths = {
-        USER_A: shell_path,
-        "(a') coreshell tuned: nan_policy=none": tuned_path,
+    paths = {USER_A: shell_path}
+    if not only or "a'" in only.split(","):
+        _, paths["(a') coreshell tuned: nan_policy=none"] = _user.shell_defaults(
+            mlp(), loader, warmup, nan_policy="none"
+        )
+    paths |= {
         "(b) pure JAX loop": _user.pure_jax_loader(mlp(), loader),
         "(c) Keras 3 (JAX)": _user.keras_loader(_keras_peer.keras_mlp(), loader, warmup=2),
         "(e) hand-written hybrid": _user.hybrid_loader(mlp(), loader, warmup=2),
@@ -70,7 +81,29 @@ def bench_user_path(rounds: int, steps: int, only: str = "", warmup: int = 40) -
     if only:  # a smoke run of some paths (coreshell's defaults always)
         keep = {p.strip() for p in only.split(",")} | {"a"}
         paths = {k: v for k, v in paths.items() if k[1:].split(")")[0] in keep}
-    rates = _stats.rotate(paths, rounds, steps)
+    return shell, paths
+
+
+def bench_user_path(
+    rounds: int, steps: int, only: str = "", warmup: int = 40, forms: tuple[str, ...] = _user.FORMS
+) -> list[Row]:
+    """The headline: for each loader form, one loader object read by every path; rounds
+    rotate over every (form, path) pair, so load bursts hit all forms alike."""
+    shells, paths = {}, {}
+    for form in forms:
+        shells[form], each = form_paths(form, only, warmup)
+        paths |= {(form, name): run for name, run in each.items()}
+    keyed = dict(enumerate(paths))
+    rates_by_index = _stats.rotate({str(i): paths[k] for i, k in keyed.items()}, rounds, steps)
+    rows: list[Row] = []
+    for form in forms:
+        rates = {name: rates_by_index[str(i)] for i, (f, name) in keyed.items() if f == form}
+        rows += _form_rows(form, rates, shells[form])
+    return rows
+
+
+def _form_rows(form: str, rates: dict[str, list[float]], shell: JaxModule) -> list[Row]:
+    bench = bench_name(form)
     a = rates[USER_A]
     a_med = statistics.median(a)
     rows: list[Row] = []
@@ -80,7 +113,7 @@ def bench_user_path(rounds: int, steps: int, only: str = "", warmup: int = 40) -
         if name == USER_A:
             note += f"; K={shell.window_k} (auto), {shell.mesh.size} device(s)"
         out = _stats.row(
-            USER,
+            bench,
             name,
             "steps/s",
             r,
@@ -97,7 +130,7 @@ def bench_user_path(rounds: int, steps: int, only: str = "", warmup: int = 40) -
         target = USER_TARGETS.get(name)
         rows.append(
             _stats.row(
-                USER,
+                bench,
                 f"a/{name.split(')')[0].lstrip('(')}",
                 "ratio per round",
                 per_round,
@@ -121,6 +154,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="smoke run: 1 round, few steps")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--only", default="", help="comma list of paths: a, a', b, c, e")
+    parser.add_argument(
+        "--forms",
+        default=",".join(_user.FORMS),
+        help=f"comma list of loader forms (default: all of {', '.join(_user.FORMS)})",
+    )
     args = parser.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -130,7 +168,8 @@ def main() -> None:
     warmup = 40
     if args.tiny:
         args.rounds, args.steps, warmup = 1, 8, 8
-    rows = bench_user_path(args.rounds, args.steps, args.only, warmup)
+    forms = tuple(f.strip() for f in args.forms.split(","))
+    rows = bench_user_path(args.rounds, args.steps, args.only, warmup, forms)
     meta: dict[str, Any] = _stats.machine()
     meta["jax_devices"] = [str(d) for d in jax.devices()]
     meta["torch_threads"] = args.torch_threads

@@ -122,8 +122,9 @@ class TrainerFlagsPart(_Shared):
 
         gathered = self.__dict__.setdefault("_gathered", [])
         for loader in filter(gatherable, loaders_in(loaders)):
-            read_by_gathers(loader)
-            gathered.append(loader)
+            if all(loader is not done for done in gathered):  # (validation runs repeat)
+                read_by_gathers(loader)
+                gathered.append(loader)
 
     def on_validation_start(self) -> None:
         self._check_workers(self.trainer.val_dataloaders)

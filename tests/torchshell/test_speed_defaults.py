@@ -199,6 +199,9 @@ class _Reads(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.gathered.append("_get_iterator" in vars(trainer.train_dataloader))
 
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.gathered.append("_get_iterator" in vars(trainer.val_dataloaders))
+
 
 def test_a_fit_on_a_plain_tensor_dataset_trains_as_the_loader_reads_it() -> None:
     """The gathered fit trains to the very weights of a fit on the loader's own reads; the
@@ -225,14 +228,17 @@ def test_a_fit_on_a_plain_tensor_dataset_trains_as_the_loader_reads_it() -> None
         with pytest.MonkeyPatch.context() as patch:
             if not gather:
                 patch.setattr(gathered_reads, "gatherable", lambda loader: False)
-            quiet_trainer(max_epochs=2, callbacks=[reads]).fit(module, loader)
-        return jax.device_get(module.state.params), reads.gathered, loader
+            val = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=16)
+            trainer = quiet_trainer(max_epochs=2, callbacks=[reads])
+            trainer.fit(module, loader, val)
+        return jax.device_get(module.state.params), reads.gathered, (loader, val)
 
     normal, seen_normal, _ = fit(gather=False)
-    gathered, seen, loader = fit(gather=True)
+    gathered, seen, loaders = fit(gather=True)
     assert seen and all(seen) and not any(seen_normal)
     jax.tree.map(np.testing.assert_array_equal, gathered, normal)
-    assert "_get_iterator" not in vars(loader)
+    assert all("_get_iterator" not in vars(loader) for loader in loaders)
+    loader = loaders[0]
 
     custom = DataLoader(loader.dataset, batch_size=16, collate_fn=lambda rows: rows)
     assert not gathered_reads.gatherable(custom)

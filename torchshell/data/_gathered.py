@@ -4,8 +4,9 @@
 calling ``dataset[i]`` 64 times and stacking the rows (``default_collate``): ~200 µs a batch
 here, a third of a small model's step. Indexing each tensor once with the batch's indices,
 ``[x[idx], y[idx]]``, gives the same list of tensors (values, dtypes, shapes, layout) in
-~40 µs. While a ``JaxModule`` trains, its training loaders that are exactly that (a
-``TensorDataset``, the default collate, no workers) read batches this way: the loader's own
+~40 µs. While a ``JaxModule`` runs (fit, validate, test, predict), its loaders that are
+exactly that (a ``TensorDataset``, the default collate, no workers) read batches this way
+(undone in the module's ``teardown``): the loader's own
 iterator still draws the indices (sampler, shuffle seed, ``drop_last``, pinning unchanged),
 only the fetch of the rows is replaced. Anything else (a ``Dataset`` subclass, a custom
 ``collate_fn``, workers) is read as it is.
