@@ -244,6 +244,7 @@ def run_one(bench: Bench, tiny: bool, tmp: Path) -> tuple[list[Row], dict[str, A
         "stdout": proc.stdout,
         "stderr_tail": proc.stderr[-4000:],
     }
+    print(f"  {bench.script}: {record['seconds']:.0f} s", flush=True)
     if proc.returncode != 0:
         raise RuntimeError(
             f"benchmarks/{bench.script} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -7,23 +7,28 @@ not finite does not apply its update (params, optimizer and model state keep the
 - ``"none"``: no guard (a NaN propagates into the params).
 - ``"skip"``: refused steps are skipped; training goes on with the next batch.
 - ``"stop"``: after the first refused step every later update is refused too, so the state
-  stays the last good one until the shell looks (:func:`check_finite`) and stops.
+  stays the last good one until the shell looks (:func:`check_finite`) and stops. The step
+  also refuses a batch whose floating fields hold NaN/Inf, and
+  ``TrainState.nonfinite_input`` remembers which field and rows (:func:`input_where`): the
+  error then names the input, not the learning rate. No host pass over the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcore._errors import ConfigError, NonFiniteError
+from jaxcore._errors import BatchError, ConfigError, NonFiniteError
 
 PyTree = Any
 
 NAN_POLICIES = ("none", "skip", "stop")
+INPUT_ROWS = 5  # how many bad rows of an input field the state remembers
+NO_INPUT = (-1,) * (2 + INPUT_ROWS)  # ``TrainState.nonfinite_input`` while every input is finite
 
 
 def check_policy(nan_policy: str) -> str:
@@ -50,6 +55,38 @@ def finite_ok(loss: jax.Array, grads: PyTree, state: Any, nan_policy: str) -> ja
     return ok
 
 
+def input_where(batch: PyTree) -> jax.Array:
+    """Where a batch holds NaN/Inf, on device: ``int32[2 + INPUT_ROWS]``.
+
+    ``[field, rows, r0, r1, ...]``: the first floating field holding NaN/Inf (its index among
+    the batch's floating leaves, in ``jax.tree.leaves`` order), that field's row count and
+    its first bad rows (-1 filled); :data:`NO_INPUT` when every floating field is finite.
+    One ``isfinite`` reduction per field; the rows are located only when one is bad.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.ones((4, 3)).at[2, 1].set(jnp.nan)
+        >>> input_where({"x": x, "y": jnp.zeros(4, jnp.int32)}).tolist()
+        [0, 4, 2, -1, -1, -1, -1]
+    """
+    floats = [v for v in jax.tree.leaves(batch) if jnp.issubdtype(v.dtype, jnp.inexact)]
+    bad = [jnp.any(~jnp.isfinite(v.reshape(v.shape[0], -1) if v.ndim else v[None, None]), 1)
+           for v in floats]
+    none = jnp.array(NO_INPUT, jnp.int32)
+    if not bad:
+        return none
+
+    def locate() -> jax.Array:
+        where = none
+        for i, rows in reversed(list(enumerate(bad))):  # the first bad field wins
+            first = jnp.nonzero(rows, size=INPUT_ROWS, fill_value=-1)[0].astype(jnp.int32)
+            here = jnp.concatenate([jnp.array([i, rows.shape[0]], jnp.int32), first])
+            where = jnp.where(jnp.any(rows), here, where)
+        return where
+
+    return jax.lax.cond(jnp.any(jnp.stack([b.any() for b in bad])), locate, lambda: none)
+
+
 def guarded(ok: jax.Array, update: Callable[[], PyTree], old: PyTree) -> PyTree:
     """``update()`` where ``ok`` else ``old``, with no host sync.
 
@@ -59,11 +96,21 @@ def guarded(ok: jax.Array, update: Callable[[], PyTree], old: PyTree) -> PyTree:
     return jax.lax.cond(ok, update, lambda: old)
 
 
-def check_finite(state: Any) -> None:
-    """Raises :class:`NonFiniteError` when the state has refused a non-finite step.
+def check_finite(state: Any, fields: Sequence[str] | None = None) -> None:
+    """Raises when the state has refused a non-finite step.
 
-    This fetches two scalars from the device: call it where the shell already syncs (a logging
-    step, the end of an epoch), not every step.
+    This fetches a few scalars from the device: call it where the shell already syncs (a
+    logging step, the end of an epoch), not every step.
+
+    Args:
+        state: the train state.
+        fields: the names of the batch's floating fields, in ``jax.tree.leaves`` order (to
+            name the one that held NaN/Inf); ``None``: they are named by index.
+
+    Raises:
+        BatchError: the step was refused because its input held NaN/Inf (the field, its
+            first bad rows and the fix).
+        NonFiniteError: the loss or gradients were NaN/Inf on a finite input.
 
     Example:
         >>> import jax.numpy as jnp, jaxcore
@@ -73,7 +120,21 @@ def check_finite(state: Any) -> None:
         ...     mesh=jaxcore.make_mesh({"data": -1}))
         >>> check_finite(st)  # nothing raised
     """
-    count, first = (int(v) for v in jax.device_get((state.nonfinite, state.nonfinite_step)))
+    count, first, where = jax.device_get(
+        (state.nonfinite, state.nonfinite_step, state.nonfinite_input)
+    )
+    count, first = int(count), int(first)
+    if count and int(where[0]) >= 0:
+        index, rows = int(where[0]), int(where[1])
+        name = fields[index] if fields is not None and index < len(fields) else f"#{index}"
+        bad = [int(r) for r in where[2:] if r >= 0]
+        raise BatchError(
+            f"The input batch field {name} holds NaN or Inf in rows {bad} (of {rows}) at step "
+            f"{first}: a training step on it makes the loss NaN (the input, not the learning "
+            "rate); the state holds the params from before that step. Fix: clean or drop "
+            "those examples in the Dataset (e.g. torch.nan_to_num), or train with "
+            "nan_policy='skip' to skip such steps."
+        )
     if count:
         raise NonFiniteError(
             f"The loss or gradients were NaN/Inf at step {first} ({count} step(s) refused); "

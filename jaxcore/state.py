@@ -14,6 +14,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcore.compile import gc_paused
+from jaxcore.guard import NO_INPUT
 from jaxcore.model import Batch, ModelFns
 
 PyTree = Any
@@ -24,7 +25,9 @@ class TrainState:
     """Step counter, params, optimizer state, rng key and model state (e.g. ``batch_stats``).
 
     ``nonfinite`` counts the steps a NaN/Inf guard refused (see ``make_train_step``'s
-    ``nan_policy``) and ``nonfinite_step`` is the first of them (-1 when none): both stay on
+    ``nan_policy``) and ``nonfinite_step`` is the first of them (-1 when none);
+    ``nonfinite_input`` says which input field and rows made it, when that was the cause
+    (:func:`jaxcore.guard.input_where`, -1 filled otherwise): all stay on
     device, so checking them costs nothing until the shell fetches them.
 
     Static things (the apply function, the optimizer) live in the step closures, not here,
@@ -38,6 +41,7 @@ class TrainState:
     model_state: PyTree
     nonfinite: jax.Array  # steps whose loss or grads were NaN/Inf (their update was not applied)
     nonfinite_step: jax.Array  # the first such step, -1 while there is none
+    nonfinite_input: jax.Array  # int32[7]: the input field and rows that made it (guard.NO_INPUT)
 
 
 def replicated(mesh: Mesh, tree: PyTree) -> PyTree:
@@ -103,6 +107,7 @@ def _lowered_init(
             model_state=model_state,
             nonfinite=jnp.zeros((), jnp.int32),
             nonfinite_step=jnp.full((), -1, jnp.int32),
+            nonfinite_input=jnp.array(NO_INPUT, jnp.int32),
         )
 
     rng = jax.random.key(seed)
@@ -227,6 +232,7 @@ def restart_optimizer(state: TrainState, tx: optax.GradientTransformation) -> Tr
             rng=jax.random.fold_in(old.rng, old.step),
             nonfinite=jnp.zeros_like(old.nonfinite),
             nonfinite_step=jnp.full_like(old.nonfinite_step, -1),
+            nonfinite_input=jnp.full_like(old.nonfinite_input, -1),
         )
 
     shardings = state_shardings(state)

@@ -24,7 +24,7 @@ import optax
 
 from jaxcore._errors import BatchError
 from jaxcore.compile import Step, check_positive
-from jaxcore.guard import check_policy, finite_ok, guarded
+from jaxcore.guard import check_policy, finite_ok, guarded, input_where
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import cast_floating, resolve_dtype
@@ -125,6 +125,16 @@ def _sums(
     if dtype is not None:  # model state (e.g. batch_stats) keeps its own dtypes
         new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
     return _reduce(losses, mask, count), (new_state, sums, count)
+
+
+def _flat_rows(batch: Batch, stacked: bool, unrolled: bool) -> Batch:
+    """A step's batch as one batch of rows: an accumulation window's micro-batches (stacked
+    ``[m, B, ...]`` or a sequence) joined, so a bad row is numbered within the window."""
+    if unrolled:
+        return jax.tree.map(lambda *v: jnp.concatenate(v), *batch)
+    if stacked:
+        return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), batch)
+    return batch
 
 
 def _drop_leading_axes(batch: Batch, n: int) -> Batch:
@@ -330,6 +340,11 @@ def make_train_step(
                 model_state=model_state,
             ), metrics
         ok = finite_ok(loss, grads, state, policy)
+        where = state.nonfinite_input
+        if policy == "stop":  # a NaN/Inf input is refused and named (its field, its rows)
+            found = input_where(_flat_rows(batch, stacked_micro, unrolled_micro))
+            ok = ok & (found[0] < 0)
+            where = jnp.where((state.nonfinite_step < 0) & ~ok, found, where)
         params, opt_state, model_state = guarded(
             ok, update, (state.params, state.opt_state, state.model_state)
         )
@@ -343,6 +358,7 @@ def make_train_step(
             model_state=model_state,
             nonfinite=state.nonfinite + bad,
             nonfinite_step=first,
+            nonfinite_input=where,
         )
         return new_state, {**metrics, "nonfinite": bad.astype(jnp.float32)}
 

@@ -163,29 +163,15 @@ def test_inf_in_a_batch_is_refused_and_counted_under_skip():
 def test_nan_under_the_real_trainer(policy: str):
     batches = [_batch(seed=i) for i in range(4)]
     batches[2]["x"][0, 0] = float("nan")
-    if policy == "stop":  # a NaN in the input is named as such, before the step
+    if policy == "stop":  # a NaN in the input is named as such (the step looked at it)
         with pytest.raises(jaxcore.BatchError) as err:
             _fit(batches, nan_policy="stop")
-        assert "['x'] holds NaN or Inf in rows [0]" in str(err.value)
+        assert "['x'] holds NaN or Inf in rows [0] (of 16) at step 2" in str(err.value)
         assert "Fix:" in str(err.value) and "learning rate" not in str(err.value).split("(")[0]
         return
     module = _fit(batches, nan_policy="skip")
     assert int(module.state.nonfinite) == 1 and int(module.state.nonfinite_step) == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(module.state.params)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_the_batch_check_sees_nan_in_every_float_dtype_and_passes_large_finite_values(dtype):
-    """The sum is numpy's where a numpy view exists (not torch's thread pool); a sum that
-    overflows on large finite values (float16 past 65504) falls back to the exact check."""
-    from torchshell._batches import check_finite
-
-    big = torch.full((64, 40), 60000.0 if dtype == torch.float16 else 3e38).to(dtype)
-    check_finite({"x": big})  # finite, though its sum is not
-    bad = torch.ones(8, 4, dtype=dtype)
-    bad[5, 2] = float("nan")
-    with pytest.raises(jaxcore.BatchError, match=r"\['x'\] holds NaN or Inf in rows \[5\]"):
-        check_finite({"x": bad})
 
 
 # -- data sets ------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("spoken-digits encoder",)  # the tiny run's recipe (the MLP: the user-path rows)
 PEERS = ("(b) pure JAX", "(c) Keras 3 (JAX)", "(d) PyTorch Lightning", "(e) hand-written hybrid")
 SPLIT = ("data wait", "bridge", "compute", "loop overhead", "total")
+# every benchmark script once, 3 at a time: ~8.5 min on 2 shared cores (the first test's
+# setup runs them all)
+pytestmark = pytest.mark.timeout(1500)
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -27,7 +30,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=tmp_path,  # anything a benchmark might drop lands here, not in the repo
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1400,
         check=False,
     )
 

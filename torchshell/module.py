@@ -22,7 +22,7 @@ import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell import _state_io
-from torchshell._batches import MicroBatches, check_finite, positional_keys, signature
+from torchshell._batches import MicroBatches, float_fields, positional_keys, signature
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags
 from torchshell._module_parts import (
@@ -196,6 +196,7 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self._window: list[Any] = []  # batches of the current accumulation window
         self._micro_rows: list[int] = []  # the rows of each batch of the last window
         self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._float_fields: list[str] | None = None  # names the input NaN/Inf came in
         self._quiet: contextlib.ExitStack | None = None
         self._masks: dict[int, jax.Array] = {}
         self.train_log = TrainLog(self._emit)
@@ -373,8 +374,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         """
         t0 = time.perf_counter()
         raw, batch = batch, self._prepare(batch)
-        if self.nan_policy == "stop":
-            check_finite(batch)
+        if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
+            self._float_fields = float_fields(batch)
         m = self.flags.accumulate
         if m == 1 and self._buffering():
             metrics = self._buffer_batch(batch)
@@ -538,8 +539,8 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
         if progress_bar:  # (not allowed in on_train_end)
             self._progress(logs)
-        if logs.get("train/nonfinite_steps", 0.0) and self.nan_policy == "stop":
-            jaxcore.check_finite(self.state)
+        if logs.get("train/nonfinite_steps", 0.0):
+            self._check_finite()
 
     def _progress(self, logs: dict[str, float]) -> None:
         if "train/loss" in logs:
@@ -566,8 +567,13 @@ class JaxModule(WindowPart, TrainerFlagsPart, HandOverPart, EvaluationPart, Chec
     def on_train_end(self) -> None:
         self.train_log.finish()
         self._last_step_values()
+        self._check_finite()
+
+    def _check_finite(self) -> None:
+        """Under ``nan_policy="stop"``: raises when the step refused an update, naming the
+        input field and rows when NaN/Inf came in with the batch (``jaxcore.check_finite``)."""
         if self.state is not None and self.nan_policy == "stop":
-            jaxcore.check_finite(self.state)
+            jaxcore.check_finite(self.state, self._float_fields)
 
 
 class LightningJaxModule(LightningParts, JaxModule):

@@ -104,8 +104,22 @@ def test_nan_guard_stop_keeps_the_last_good_state(init16):
     np.testing.assert_array_equal(metrics["nonfinite"], [0.0, 1.0, 1.0])  # halted after it
     assert int(state.nonfinite_step) == 1
     _close(jax.device_get(state.params), _good_steps(1, init16), rtol=1e-6)
-    with pytest.raises(jaxcore.NonFiniteError, match="step 1"):
-        jaxcore.check_finite(state)
+    # the step looked at its input: the error names the field and row, not the learning rate
+    with pytest.raises(jaxcore.BatchError, match=r"\['x'\] holds NaN or Inf in rows \[3\] "
+                       r"\(of 16\) at step 1") as err:
+        jaxcore.check_finite(state, ["['x']"])
+    assert "learning rate)" in str(err.value) and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_the_input_check_sees_nan_in_every_float_dtype_and_passes_large_finite_values(dtype):
+    from jaxcore.guard import NO_INPUT, input_where
+
+    big = jnp.full((64, 40), 60000.0 if dtype == jnp.float16 else 3e38, dtype)
+    assert input_where({"x": big, "y": jnp.zeros(64, jnp.int32)}).tolist() == list(NO_INPUT)
+    bad = jnp.ones((8, 4), dtype).at[5, 2].set(jnp.inf).at[6, 0].set(jnp.nan)
+    ids = jnp.arange(8)  # (integer fields are not floating: never looked at)
+    assert input_where((ids, big[:8], bad)).tolist() == [1, 8, 5, 6, -1, -1, -1]
 
 
 def test_nan_policy_none_lets_nan_in_and_bad_policy_is_clear(init16):
