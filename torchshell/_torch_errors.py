@@ -46,6 +46,46 @@ def failing_op(err: BaseException) -> str | None:
     return op
 
 
+def lowering_site(err: BaseException) -> tuple[str, str, str] | None:
+    """Where a value read in Python failed *inside* an op's torchax lowering, not in the
+    user's code: ``(op, the lowering's line, which arguments are traced)``, else ``None``."""
+    from torchshell.trace import traced
+
+    found = None
+    tb: types.TracebackType | None = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        name = frame.f_code.co_filename
+        if frame.f_code.co_name == "dispatch" and name.endswith("torchax/tensor.py"):
+            found = (frame.f_locals.get("func"), frame.f_locals, None)
+        elif found is not None and "/torchax/ops/" in name:
+            found = (found[0], found[1], f"{name.rsplit('/', 1)[-1]}:{tb.tb_lineno}")
+        elif found is not None and "/torchax/" not in name and "/jax/" not in name:
+            found = None  # the user's (or torch's) Python again: a read of theirs
+        tb = tb.tb_next
+    if found is None or found[2] is None:
+        return None
+    func, local, line = found
+    op = func.name() if hasattr(func, "name") else getattr(func, "__name__", str(func))
+    args = local.get("old_args", local.get("args", ()))
+    kwargs = local.get("old_kwargs", local.get("kwargs", {})) or {}
+    rest = [*list(args)[1:], *kwargs.values()]  # past the data: the op's parameters
+    leaves = [x for x in jax.tree.leaves(rest) if hasattr(x, "_elem") or hasattr(x, "parent")]
+    if leaves and not any(traced(x) for x in leaves):
+        what = (
+            "the value is a constant tensor passed where a number is read (not the weights, "
+            "the batch or a random draw)"
+        )
+    elif leaves:
+        what = (
+            "a tensor argument there is traced: computed from the batch, the weights or a "
+            "random draw"
+        )
+    else:
+        what = "an intermediate value of the lowering itself is traced"
+    return op, line, what
+
+
 def is_lowering_error(err: BaseException) -> bool:
     """An error of tracing that :func:`lowering_error` explains."""
     return (
@@ -91,16 +131,34 @@ def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) ->
             "JAX lowering supports. Fix: call it with other arguments (or an equivalent op), "
             f"{FLAX_ROUTE}"
         )
+    if isinstance(err, jax.errors.NonConcreteBooleanIndexError):
+        return TorchModelError(
+            f"The forward of module {path}{at} ({mode} mode) indexes with a boolean mask that "
+            "is traced (x[mask]: the result's shape depends on the mask's values), which a "
+            "compiled JAX step cannot have. Expected shape-static code. Fix: use masks "
+            "instead of boolean indexing (torch.where(mask, x, 0), or multiply by the mask), "
+            f"{FLAX_ROUTE}"
+        )
+    if isinstance(err, DATA_DEPENDENT) and (inside := lowering_site(err)) is not None:
+        op, line, args = inside
+        return TorchModelError(
+            f"torchax's lowering of the op `{op}` (at {line}) reads the value of one of its "
+            f"arguments in Python, called in module {path}{at} ({mode} mode), and {args}. "
+            "Expected Python numbers there (pad amounts, sizes, indices), or tensors "
+            "computed only from constants (Python numbers, shapes, untrained buffers), "
+            "which stay concrete. Fix: pass Python ints (e.g. from x.shape, or int(t) of a "
+            f"constant tensor), {FLAX_ROUTE}"
+        )
     if isinstance(err, DATA_DEPENDENT):
         return TorchModelError(
             f"The forward of module {path}{at} ({mode} mode) needs a tensor's value in Python "
             f"({type(err).__name__}: a number (int/float/shape) computed from the weights or "
-            "a random draw, or a shape that depends on values), which a compiled JAX step "
-            "cannot have. Traced bools branch (lax.cond) and batch scalars are specialised "
-            "(found on a concrete batch: torch_model_fns(..., example=batch), or "
-            "specialise_batch before jaxcore.init_train_state), but this is neither. "
-            "Fix: make the computation shape-static (torch.where "
-            f"instead of `if`, masks instead of boolean indexing), {FLAX_ROUTE}"
+            "a random draw), which a compiled JAX step cannot have. Traced bools branch "
+            "(lax.cond) and batch scalars are specialised (found on a concrete batch: "
+            "torch_model_fns(..., example=batch), or specialise_batch before "
+            "jaxcore.init_train_state), but this is neither. Fix: make the computation "
+            "shape-static (torch.where instead of `if`, masks instead of boolean indexing), "
+            f"{FLAX_ROUTE}"
         )
     return TorchModelError(
         f"The forward of module {path}{at} ({mode} mode) mixes a plain CPU torch.Tensor with "

@@ -23,7 +23,7 @@ import torch
 import bridge
 from jaxcore import ModelFns
 from jaxcore.model import _inputs as jaxcore_inputs
-from torchshell import _torch_patterns as patterns
+from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
 
 Batch = Mapping[str, Any]

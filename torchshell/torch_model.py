@@ -16,7 +16,7 @@ function ``apply(params, model_state, batch, rng, train) -> (outputs, model_stat
 - dropout (and any other torch random op) draws from the step's JAX key ``rng``, so a seed
   fixes it and two steps differ;
 - tensors the forward creates (``torch.arange``, ``torch.zeros``) are created as JAX arrays;
-- Python that reads tensor values is traced where it can be (:mod:`torchshell._torch_patterns`):
+- Python that reads tensor values is traced where it can be (:mod:`torchshell.trace`):
   batch-independent values are concrete, traced bools branch with ``lax.cond``, and scalars
   read from the batch are specialised (:func:`specialise_batch`).
 
@@ -38,7 +38,7 @@ from torch import nn
 
 import bridge
 from jaxcore import ModelFns
-from torchshell import _torch_patterns as patterns
+from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
 from torchshell._hf import no_kv_cache
 from torchshell._torch_errors import is_lowering_error, lowering_error
@@ -90,7 +90,7 @@ class TorchTracer:
     ``state0``; non-persistent buffers are constants. :meth:`call` runs any function of the
     module (its ``forward``, or e.g. a LightningModule's ``training_step``) with the weights
     swapped for JAX values, and returns the outputs as JAX arrays with the new model state.
-    The patterns of :mod:`torchshell._torch_patterns` apply to every call: batch-independent
+    The patterns of :mod:`torchshell.trace` apply to every call: batch-independent
     values are concrete, traced bools become ``lax.cond`` (at most ``max_branches`` paths per
     call), and host reads of the batch take the values of :meth:`static_values`.
 

@@ -1,0 +1,62 @@
+"""The torchax tracing of :mod:`torchshell.torch_model`, and the PyTorch patterns it traces.
+
+Real torch code reads tensor values in Python. Under ``jax.jit`` every value is a tracer, so
+torchax alone stops there. The environment here traces four such patterns instead:
+
+- **values that do not depend on the batch** (masks built from shapes,
+  ``generate_square_subsequent_mask``, ``torch.equal`` of two such masks in
+  ``nn.TransformerDecoder``'s ``_detect_is_causal_mask``, pad amounts computed from constant
+  buffers) are computed while tracing (:mod:`._fold`), so Python sees concrete values;
+- **eval-mode fast paths** torchax cannot lower (the nested-tensor path of
+  ``nn.TransformerEncoder`` with a padding mask, the fused MHA kernel) are switched off while
+  tracing (:func:`tracing`), so torch takes its math path;
+- **a traced value used as a Python bool** (layer drop: ``torch.rand(1).item() <= p``)
+  becomes a ``lax.cond`` on that value (:func:`explore`);
+- **a scalar read from the batch** (``int(lengths.max().item())``) is *specialised*
+  (:class:`Reads`, :mod:`torchshell._torch_static`).
+
+Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, and
+:mod:`torchshell._ctc` for the CTC loss).
+"""
+
+from torchshell.trace._env import check_class_target, environment, tracing
+from torchshell.trace._paths import (
+    attributes_kept,
+    decode,
+    encode,
+    explore,
+    is_check,
+    mode,
+    plain,
+    traced,
+)
+from torchshell.trace._reads import (
+    HOST,
+    TRACED,
+    Branch,
+    NeedsStatic,
+    ProbeDone,
+    Reads,
+    TracedScalar,
+)
+
+__all__ = [
+    "HOST",
+    "TRACED",
+    "Branch",
+    "NeedsStatic",
+    "ProbeDone",
+    "Reads",
+    "TracedScalar",
+    "attributes_kept",
+    "check_class_target",
+    "decode",
+    "encode",
+    "environment",
+    "explore",
+    "is_check",
+    "mode",
+    "plain",
+    "traced",
+    "tracing",
+]

@@ -1,0 +1,241 @@
+"""The private torchax environment of a trace, and what is switched for its duration."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+
+from torchshell._ctc import ctc_nll, hf_ctc_shape_static
+from torchshell._errors import TorchModelError
+from torchshell._hf import uncached
+from torchshell._packed import packed_as_masks
+from torchshell.trace._fold import folded_when_concrete
+from torchshell.trace._lowerings import (
+    WINDOWS,
+    bincount,
+    grouped_mm,
+    multilabel_margin_loss,
+    window,
+)
+from torchshell.trace._reads import Reads, scalar_reads
+
+_BATCH_NORM_OPS = (
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+)
+
+
+def environment(reads: Reads) -> Any:
+    """A private torchax environment: torch's BatchNorm math and the scalar reads above.
+
+    torchax 0.0.13 lowers batch norm as a pure JAX op that drops the updated running stats
+    (and uses the biased variance). Here the three batch-norm ops run torch's own
+    decomposition on torchax tensors instead: its ``running_mean.copy_(...)`` mutates the
+    buffers we passed in, which the tracer reads back as the new model state.
+    """
+    # Imported here: importing torchax disables torch's MHA fast path process-wide, which
+    # only the users of this path should pay for.
+    from torch._decomp import get_decompositions
+    from torchax import tensor as torchax_tensor
+    from torchax.ops import ops_registry
+
+    env = torchax_tensor.Environment()
+    ops = [getattr(torch.ops.aten, name).default for name in _BATCH_NORM_OPS]
+    for op, impl in get_decompositions(ops).items():
+        env.override_op_definition(op, impl)
+    lowerings = {
+        torch.ops.aten.bincount.default: bincount,
+        torch.ops.aten._grouped_mm.default: grouped_mm,  # mixture-of-experts layers
+        torch.ops.aten._ctc_loss.Tensor: ctc_nll,  # F.ctc_loss, nn.CTCLoss
+        # (torch 2.9's own decomposition, which torchax would use, counts the target slots
+        # after the first -1: a wrong loss, silently)
+        torch.ops.aten.multilabel_margin_loss_forward.default: multilabel_margin_loss,
+        # windows built in a forward (torch.stft(x, n, window=torch.hann_window(n)))
+        **{getattr(torch.ops.aten, f"{kind}_window").default: window(kind) for kind in WINDOWS},
+        **{getattr(torch.ops.aten, f"{kind}_window").periodic: window(kind) for kind in WINDOWS},
+        torch.ops.aten.hamming_window.periodic_alpha: window("hamming"),
+        torch.ops.aten.hamming_window.periodic_alpha_beta: window("hamming"),
+        torch.ops.aten.mT.default: lambda x: jnp.swapaxes(x, -1, -2),  # x.mT
+        torch.ops.aten.mH.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
+        torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
+    }
+    for aten_op, lowering in lowerings.items():
+        env._ops[aten_op] = ops_registry.Operator(
+            aten_op,
+            lowering,
+            is_jax_function=True,
+            is_user_defined=True,
+            needs_env=False,
+            is_view_op=False,
+        )
+    scalar_reads(env, reads)
+    env.dispatch = folded_when_concrete(env.dispatch)
+    # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
+    # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
+    env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
+    env.override_op_definition(F.ctc_loss, functools.partial(_ctc_loss, env))
+    return env
+
+
+_F_CTC_LOSS = F.ctc_loss
+
+
+def _ctc_loss(
+    env: Any,
+    log_probs: Any,
+    targets: Any,
+    input_lengths: Any,
+    target_lengths: Any,
+    *args: Any,
+    **kw: Any,
+) -> Any:
+    """``F.ctc_loss`` with lengths given as lists or tuples: passed as tensors (torch's list
+    overload reads the traced tensors' data in C++; the tensor one reaches ``ctc_nll``)."""
+
+    def as_tensor(x: Any) -> Any:
+        return x if isinstance(x, torch.Tensor) else env.j2t_iso(jnp.asarray(x, jnp.int32))
+
+    return _F_CTC_LOSS(
+        log_probs, targets, as_tensor(input_lengths), as_tensor(target_lengths), *args, **kw
+    )
+
+
+def _view_setitem(original: Callable[..., None]) -> Callable[..., None]:
+    """torchax's ``View.__setitem__`` taking tensor indices, a boolean mask shape-statically.
+
+    ``view[mask] = value`` on a view (transformers' Longformer:
+    ``extended_attention_mask[attention_mask == 2] = finfo.max`` on a slice) failed in
+    torchax 0.0.13: the index stayed a torchax tensor inside ``jax_array.at[...]`` (an
+    IndexError), and a traced mask there would need its nonzero count. A boolean mask is now
+    a ``where`` over the view (torchax's own rule for tensors, ``_shape_static_boolean_index_put``),
+    other tensor indices are unwrapped to arrays.
+    """
+
+    def setitem(self: Any, indexes: Any, value: Any) -> None:
+        def unwrap(x: Any) -> Any:
+            return x.jax() if hasattr(x, "jax") and not isinstance(x, jax.Array) else x
+
+        parts = tuple(map(unwrap, indexes)) if isinstance(indexes, tuple) else (unwrap(indexes),)
+        mask = parts[0] if len(parts) == 1 else None
+        if not (isinstance(mask, jax.Array) and mask.dtype == jnp.bool_):
+            return original(self, parts if isinstance(indexes, tuple) else parts[0], value)
+        from torchax.ops.jaten import _shape_static_boolean_index_put
+
+        current = self.jax()
+        value = unwrap(value)
+        if isinstance(value, torch.Tensor):  # a plain CPU tensor
+            value = value.numpy(force=True)
+        new = _shape_static_boolean_index_put(current, mask, jnp.asarray(value, current.dtype))
+        self.update(new_values=new)
+        return None
+
+    return setitem
+
+
+def _not_data_copy(record: logging.LogRecord) -> bool:
+    """torchax's note that ``t.data`` copies on TPU: about eager runs, not a traced step
+    (``lightning.pytorch.utilities.grad_norm`` reads ``p.grad.data``)."""
+    return not record.getMessage().startswith("In-place to .data modifications")
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Constant folding on and torch's fused fast paths off, for the duration of a trace.
+
+    Also torchmetrics' input checks off (``_*_tensor_validation``: ``torch.unique`` of the
+    predictions, a shape that depends on values), so its functional metrics
+    (``torchmetrics.functional.accuracy(preds, y, task="multiclass", ...)``) trace.
+
+    Attention (``F.scaled_dot_product_attention``) always takes torch's math path here, which
+    by default computes bfloat16/float16 inputs in float32; torch's fused kernels, which a
+    torch user gets on a GPU, keep them in the reduced precision (accumulating in float32, as
+    XLA's dots do). The math path is allowed the same while tracing
+    (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``): under ``bf16-mixed`` the
+    attention matmuls of a ported ``nn.TransformerEncoder`` were float32, the rest bfloat16.
+    """
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
+    reduced_sdpa = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    checks = _metric_checks()
+    losses = {(F, name): getattr(F, name) for name in ("cross_entropy", "nll_loss")}
+    torchax_log = logging.getLogger("torchax.tensor")
+    torchax_log.addFilter(_not_data_copy)
+    from torchax.view import View
+
+    view_setitem = View.__setitem__
+    View.__setitem__ = _view_setitem(view_setitem)  # type: ignore[method-assign]
+    try:
+        for module, name in checks:
+            setattr(module, name, _no_check)
+        for (module, name), loss in losses.items():
+            setattr(module, name, _class_index_checked(loss))
+        # constants fold (ops over traced values do not: folded_when_concrete)
+        with jax.ensure_compile_time_eval(), packed_as_masks(), hf_ctc_shape_static(), uncached():
+            yield  # packed sequences are masks
+    finally:
+        for (module, name), check in {**checks, **losses}.items():
+            setattr(module, name, check)
+        torch.backends.mha.set_fastpath_enabled(fast)
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced_sdpa)
+        torchax_log.removeFilter(_not_data_copy)
+        View.__setitem__ = view_setitem  # type: ignore[method-assign]
+
+
+def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
+    """Refuses floating class indices as torch does (under JAX they fail in a gather).
+
+    A floating target of the input's rank is class probabilities (``cross_entropy``'s soft
+    labels) and passes. ``target``: a torch or JAX array.
+    """
+    floating = getattr(target.dtype, "is_floating_point", None)
+    if floating is None:
+        floating = jnp.issubdtype(target.dtype, jnp.floating)
+    soft = loss in ("cross_entropy", "CrossEntropyLoss") and target.ndim == input_ndim
+    if floating and not soft:
+        raise TorchModelError(
+            f"{loss}: the target holds class indices of shape {tuple(target.shape)} but is "
+            f"{target.dtype} (plain torch raises 'expected scalar type Long but found "
+            "Float'). Fix: integer labels (.long() in the Dataset or collate), or class "
+            "probabilities of the input's shape."
+        )
+
+
+def _class_index_checked(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss`` with :func:`check_class_target` first."""
+
+    @functools.wraps(loss)
+    def checked(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        check_class_target(loss.__name__, input.ndim, target)
+        return loss(input, target, *args, **kwargs)
+
+    return checked
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _metric_checks() -> dict[tuple[Any, str], Callable[..., Any]]:
+    """torchmetrics' tensor validators, where a loaded torchmetrics module refers to them.
+
+    (Only modules already imported: this never imports torchmetrics itself.)
+    """
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torchmetrics."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") and attr.endswith("_tensor_validation") and callable(value):
+                found[(module, attr)] = value
+    return found

@@ -1,0 +1,196 @@
+"""Running traced torch code: traced bools as ``lax.cond`` paths, module modes and
+attributes around a call, outputs JAX can return."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from torch import nn
+
+from torchshell._errors import TorchModelError
+from torchshell.trace._reads import Branch
+
+
+def explore(run: Callable[[tuple[bool, ...]], Any], max_paths: int, where: str) -> Any:
+    """``run(())``, with every traced Python bool it meets turned into a ``lax.cond``.
+
+    ``run(decisions)`` executes the traced code taking the first ``len(decisions)`` traced
+    bools as given; at the next one it raises :class:`Branch`, and the code is run again
+    once per outcome inside ``lax.cond`` (each run draws the same random values up to that
+    point, as the key is the same). Paths grow as 2**decisions; more than ``max_paths``
+    raises :class:`TorchModelError`.
+    """
+    paths = [0]
+
+    def go(decisions: tuple[bool, ...]) -> Any:
+        try:
+            return run(decisions)
+        except Branch as b:
+            paths[0] += 1
+            if paths[0] >= max_paths:
+                raise TorchModelError(
+                    f"The code of {where} uses more than {len(decisions)} traced values as "
+                    f"Python bools in one call (e.g. layer drop over many layers): each "
+                    f"becomes a lax.cond and the paths double every time, past {max_paths}. "
+                    "Expected a few such branches per call. Fix: write the choice with "
+                    "torch.where (e.g. x = torch.where(keep, layer(x), x)), or raise "
+                    "max_branches."
+                ) from None
+            try:
+                return jax.lax.cond(
+                    b.pred, lambda: go((*decisions, True)), lambda: go((*decisions, False))
+                )
+            except (ValueError, RuntimeError) as err:
+                if not is_check(err):
+                    raise
+                return _checked(go, decisions, b.pred, err)
+
+    return go(())
+
+
+def is_check(err: BaseException) -> bool:
+    """A ``raise ValueError/RuntimeError`` of the traced code (not ours, not JAX's)."""
+    return not isinstance(err, TorchModelError) and not type(err).__module__.startswith(
+        ("jax", "jaxlib", "torchshell", "torchax")
+    )
+
+
+def _checked(
+    go: Callable[[tuple[bool, ...]], Any],
+    decisions: tuple[bool, ...],
+    pred: Any,
+    original: BaseException,
+) -> Any:
+    """A traced bool whose one outcome raises (a check: ``if n >= limit: raise ValueError``).
+
+    The step takes the other outcome, and raises the check's error when the traced value
+    says so, as torch would (a host callback: the step fails with that message).
+    """
+    outcomes: dict[bool, Any] = {}
+    errors: dict[bool, BaseException] = {}
+    for taken in (True, False):
+        try:
+            outcomes[taken] = go((*decisions, taken))
+        except (ValueError, RuntimeError) as raised:
+            if not is_check(raised):
+                raise
+            errors[taken] = raised
+    if len(errors) != 1:  # both outcomes raise (or neither alone): as traced in the cond
+        raise errors.get(True) or original
+    fails, check = next(iter(errors.items()))
+    message = f"{type(check).__name__}: {check}"
+    jax.debug.callback(functools.partial(_raise_check, message), pred if fails else ~pred)
+    return outcomes[not fails]
+
+
+def _raise_check(message: str, failed: Any) -> None:
+    if bool(failed):
+        raise ValueError(f"A check in the traced torch code failed on this batch: {message}")
+
+
+def encode(values: Sequence[int]) -> tuple[int, ...]:
+    """Ints as array dimensions (>= 0): 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
+    return tuple(2 * v if v >= 0 else -2 * v - 1 for v in values)
+
+
+def decode(dims: Sequence[int]) -> tuple[int, ...]:
+    """The inverse of :func:`encode`."""
+    return tuple(d // 2 if d % 2 == 0 else -(d + 1) // 2 for d in dims)
+
+
+@contextlib.contextmanager
+def mode(module: nn.Module, train: bool) -> Iterator[None]:
+    """``module.train(train)`` for the duration, then the module's own modes back."""
+    before = {m: m.training for m in module.modules()}
+    module.train(train)
+    try:
+        yield
+    finally:
+        for m, was in before.items():
+            m.training = was
+
+
+@contextlib.contextmanager
+def attributes_kept(module: nn.Module, carried: set[str] | None = None) -> Iterator[None]:
+    """Tensor attributes a call sets on its modules are put back (or removed) afterwards.
+
+    A cache (``self.src_mask = mask``, Lightning's demo Transformer) comes back as it was: no
+    traced tensor outlives a call. An attribute set to a value computed from the weights or
+    the batch (``self.hidden = (h, c)``, Lightning's demo LSTM carrying state to the next
+    batch) is named in ``carried`` (``"path.attr"``): the compiled step cannot carry it.
+    """
+    before = {name: (m, dict(vars(m))) for name, m in module.named_modules()}
+    try:
+        yield
+    finally:
+        for name, (m, old) in before.items():
+            now = vars(m)
+            for key in [k for k in now if k not in old or now[k] is not old[k]]:
+                value = now[key]
+                if carried is not None and not key.startswith("_") and traced(value):
+                    carried.add(f"{name}.{key}" if name else key)
+                if key not in old:
+                    if _tensors(value):
+                        del now[key]
+                elif old[key] is None or isinstance(old[key], torch.Tensor) or _tensors(value):
+                    now[key] = old[key]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves = value if isinstance(value, list | tuple) else [value]
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+def traced(value: Any) -> bool:
+    """Whether a value (a torchax tensor or view, a JAX array, a list or tuple of them) holds
+    a traced JAX value (not a constant)."""
+    from torchax.view import View
+
+    def one(x: Any) -> bool:
+        while isinstance(x, View):
+            x = x.parent
+        return isinstance(getattr(x, "_elem", x), jax.core.Tracer)
+
+    return any(map(one, value if isinstance(value, list | tuple) else [value]))
+
+
+def plain(x: Any, where: str = "the output") -> Any:
+    """Outputs JAX can return: mapping types JAX does not know (transformers' ``ModelOutput``)
+    become dicts of their set fields; a leaf that is not an array or a number is refused.
+
+    Raises:
+        TorchModelError: a field holds a Python object (a transformers ``DynamicCache`` from
+            ``use_cache=True``, a string), naming the field.
+    """
+    out = _as_dicts(x)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+        if isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float):
+            continue
+        fix = (
+            "call the model with use_cache=False (a training step keeps no KV cache)"
+            if "cache" in type(leaf).__name__.lower()
+            else "return tensors (or dicts, lists, tuples of them) from forward"
+        )
+        raise TorchModelError(
+            f"{where}{jax.tree_util.keystr(path)} is a {type(leaf).__module__}."
+            f"{type(leaf).__qualname__}, not a tensor: a compiled step returns arrays only. "
+            f"Fix: {fix}."
+        )
+    return out
+
+
+def _as_dicts(x: Any) -> Any:
+    """Mappings JAX does not know as dicts, inside plain lists, tuples and dicts."""
+    if isinstance(x, Mapping):
+        return {k: _as_dicts(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_as_dicts(v) for v in x)
+    if type(x).__module__ == "torch.return_types":  # torch.max(x, 1): (values, indices)
+        return tuple(_as_dicts(v) for v in x)
+    return x
