@@ -1,7 +1,8 @@
 """A quiet console for ``coreshell train``: each library message a user did not ask for is
 silenced at its source (a named logger, one message pattern), with the reason beside it.
 
-Nothing here is a blanket filter: other messages of the same libraries still show, and
+Nothing here is a blanket filter: other messages of the same libraries still show (a library
+whose ``INFO`` is only a narration of its work keeps its warnings and errors), and
 ``--verbose`` (or ``HYDRA_FULL_ERROR=1``) skips all of it.
 """
 
@@ -43,6 +44,28 @@ _LOG_LINES = [
     ),
 ]
 
+# (logger, lowest level shown, why): libraries whose INFO narrates their own work. A logger's
+# level holds for every thread (Orbax's async save thread logs after the set-up) and for the
+# loggers under it; their WARNING and ERROR still show.
+_LOGGER_LEVELS = [
+    (
+        "absl",
+        logging.WARNING,
+        "Orbax logs through absl at INFO: each periodic asynchronous checkpoint adds ~30 lines "
+        "(handlers, OCDBT, commit threads). Where checkpoints are is in the config.",
+    ),
+    (
+        "orbax",
+        logging.WARNING,
+        "the same narration from Orbax's modules that log through Python's logging.",
+    ),
+    (
+        "matplotlib",
+        logging.WARNING,
+        "a first run builds matplotlib's font cache and says 'generated new fontManager'.",
+    ),
+]
+
 # (category, message pattern, module, why); the category is the builtin base of the one
 # raised (Lightning's PossibleUserWarning is a UserWarning): naming it would import Lightning
 # (seconds) before a bad config is even told
@@ -76,8 +99,19 @@ class _Drop(logging.Filter):
         return not self.pattern.search(record.getMessage())
 
 
+def _logger(name: str) -> logging.Logger:
+    """The logger ``name`` as its library makes it: absl's is an ``ABSLLogger`` that absl
+    creates on import (a plain logger made here first would be the one absl gets)."""
+    if name == "absl":
+        from absl import logging as absl_logging  # orbax's dependency: the log it writes to
+
+        return absl_logging.get_absl_logger()
+    return logging.getLogger(name)
+
+
 def configure(verbose: bool) -> None:
-    """Silences the known noise (see ``_LOG_LINES`` and ``_WARNINGS``) unless ``verbose``.
+    """Silences the known noise (see ``_LOG_LINES``, ``_LOGGER_LEVELS`` and ``_WARNINGS``)
+    unless ``verbose``.
 
     Idempotent: a sweep configures once per job.
 
@@ -86,6 +120,10 @@ def configure(verbose: bool) -> None:
     """
     if verbose:
         return
+    for name, level, _why in _LOGGER_LEVELS:
+        logger = _logger(name)
+        if logger.level < level:  # NOTSET (0) or chattier: raised; a stricter one is kept
+            logger.setLevel(level)
     for name, pattern, _why in _LOG_LINES:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
