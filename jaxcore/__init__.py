@@ -9,6 +9,7 @@ from jaxcore._errors import (
     ShardingError,
 )
 from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_compile_cache
+from jaxcore.eval_step import make_eval_step, make_predict_step, make_train_forward
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
 from jaxcore.losses import MICRO, TOTAL, masked_mean, per_example, softmax_cross_entropy
 from jaxcore.mesh import make_mesh, set_cpu_devices
@@ -36,7 +37,7 @@ from jaxcore.state import (
     start_train_state,
     state_shardings,
 )
-from jaxcore.step import make_eval_step, make_predict_step, make_train_forward, make_train_step
+from jaxcore.step import make_train_step
 
 __all__ = [
     "LARGEST",

@@ -70,8 +70,10 @@ def input_where(batch: PyTree) -> jax.Array:
         [0, 4, 2, -1, -1, -1, -1]
     """
     floats = [v for v in jax.tree.leaves(batch) if jnp.issubdtype(v.dtype, jnp.inexact)]
-    bad = [jnp.any(~jnp.isfinite(v.reshape(v.shape[0], -1) if v.ndim else v[None, None]), 1)
-           for v in floats]
+    bad = [
+        jnp.any(~jnp.isfinite(v.reshape(v.shape[0], -1) if v.ndim else v[None, None]), 1)
+        for v in floats
+    ]
     none = jnp.array(NO_INPUT, jnp.int32)
     if not bad:
         return none

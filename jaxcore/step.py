@@ -1,10 +1,10 @@
-"""Jitted train, eval and predict steps over a mesh.
+"""The jitted train step over a mesh.
 
 One train step, inside one ``jax.jit``: split the batch into ``accum_steps`` micro-batches and
 ``lax.scan`` over them summing masked losses and gradients (exact masked means over the whole
 batch, whatever the split); clip and update with optax; guard against NaN/Inf; and, with
 ``steps_per_call=K``, ``lax.scan`` that whole step over K stacked batches so the loop and
-dispatch cost is paid once per K steps.
+dispatch cost is paid once per K steps. Steps that do not train: :mod:`jaxcore.eval_step`.
 
 Randomness: the step's key is ``fold_in(state.rng, state.step)`` and micro-batch ``i`` uses
 ``fold_in(key, i)``. JAX's partitionable threefry (the default) lets each device draw its own
@@ -15,7 +15,7 @@ per seed and step, and the same on any mesh.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,135 +23,17 @@ import jax.numpy as jnp
 import optax
 
 from jaxcore._errors import BatchError
+from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows, _micro_batches, _sums
 from jaxcore.compile import Step, check_positive
 from jaxcore.guard import check_policy, finite_ok, guarded, input_where
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
-from jaxcore.precision import cast_floating, resolve_dtype
+from jaxcore.precision import resolve_dtype
 from jaxcore.state import TrainState
 
 PyTree = Any
-LossFn = Callable[[PyTree, Batch], tuple[jax.Array, dict[str, jax.Array]]]
-Metrics = dict[str, jax.Array]
 
-
-def _mask(batch: Batch, n: int) -> jax.Array:
-    mask = batch.get("mask") if isinstance(batch, Mapping) else None
-    return jnp.ones((n,), bool) if mask is None else mask
-
-
-def _rows(batch: Batch) -> int:
-    """The batch's rows: the common leading size of its array leaves (any pytree)."""
-    sizes = {
-        jax.tree_util.keystr(path): v.shape[0]
-        for path, v in jax.tree_util.tree_leaves_with_path(batch)
-        if getattr(v, "ndim", 0)
-    }
-    if len(set(sizes.values())) > 1:
-        raise BatchError(
-            f"Every batch field needs the same number of rows, got {sizes}. "
-            "Fix: collate the fields of one example together."
-        )
-    if not sizes:
-        raise BatchError("The batch has no array fields. Fix: pass a dict of [B, ...] arrays.")
-    return next(iter(sizes.values()))
-
-
-def _inputs(batch: Batch, dtype: Any) -> Batch:
-    """Floating batch fields in the compute dtype (the mask and labels untouched)."""
-    if dtype is None:
-        return batch
-    if isinstance(batch, Mapping):
-        return {k: v if k == "mask" else cast_floating(v, dtype) for k, v in batch.items()}
-    return cast_floating(batch, dtype)
-
-
-def _reduce(values: jax.Array, mask: Any, count: jax.Array, name: str = "") -> jax.Array:
-    """Masked sum of per-example ``values[B]``; a 0-d value is a batch mean (sum = v x rows).
-
-    A :data:`TOTAL` metric is returned as it is.
-    """
-    values = values.astype(jnp.float32)
-    if name.startswith(TOTAL):
-        return values
-    if values.ndim == 0:
-        return values * count
-    return jnp.sum(values * mask)
-
-
-def _forward(
-    model: ModelFns, params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array, dtype: Any
-) -> tuple[PyTree, PyTree]:
-    """The training-mode forward pass: float32 outputs and the new model state."""
-    outputs, new_state = model.apply(
-        cast_floating(params, dtype), model_state, _inputs(batch, dtype), key, True
-    )
-    return cast_floating(outputs, jnp.float32), new_state
-
-
-def _weights(batch: Batch, weigh_rows: bool) -> tuple[jax.Array | None, jax.Array]:
-    """The rows' float mask and its count; ``(None, 1)`` when the batch weighs one."""
-    if not weigh_rows:
-        return None, jnp.float32(1.0)
-    mask = _mask(batch, _rows(batch)).astype(jnp.float32)
-    return mask, jnp.sum(mask)
-
-
-def _sums(
-    model: ModelFns,
-    loss_fn: LossFn,
-    params: PyTree,
-    model_state: PyTree,
-    batch: Batch,
-    key: jax.Array,
-    dtype: Any,
-    weigh_rows: bool = True,
-) -> tuple[jax.Array, tuple[PyTree, Metrics, jax.Array]]:
-    """Masked *sums* of loss and metrics on one (micro-)batch, and its valid-row count.
-
-    ``weigh_rows=False``: the batch weighs one whatever its rows (its values are means).
-    """
-    outputs, new_state = _forward(model, params, model_state, batch, key, dtype)
-    losses, metrics = loss_fn(outputs, batch)
-    mask, count = _weights(batch, weigh_rows)
-    if not weigh_rows:
-        for name, v in {"loss": losses, **metrics}.items():
-            if jnp.ndim(v) and not name.startswith(TOTAL):
-                raise BatchError(
-                    f"weigh_rows=False takes batch means, got {name!r} of shape "
-                    f"{jnp.shape(v)}. Fix: return 0-d means, or weigh_rows=True."
-                )
-    sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
-    if dtype is not None:  # model state (e.g. batch_stats) keeps its own dtypes
-        new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
-    return _reduce(losses, mask, count), (new_state, sums, count)
-
-
-def _flat_rows(batch: Batch, stacked: bool, unrolled: bool) -> Batch:
-    """A step's batch as one batch of rows: an accumulation window's micro-batches (stacked
-    ``[m, B, ...]`` or a sequence) joined, so a bad row is numbered within the window."""
-    if unrolled:
-        return jax.tree.map(lambda *v: jnp.concatenate(v), *batch)
-    if stacked:
-        return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), batch)
-    return batch
-
-
-def _drop_leading_axes(batch: Batch, n: int) -> Batch:
-    """The abstract batch of one optimizer step's one micro-batch (``n`` stacked axes off)."""
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[n:], v.dtype), batch)
-
-
-def _micro_batches(batch: Batch, m: int) -> Batch:
-    """``[B, ...] -> [m, B/m, ...]``; micro-batch ``i`` takes rows ``i, i+m, ...`` so each
-    device's rows stay on that device."""
-    rows = _rows(batch)
-    if rows % m:
-        raise BatchError(
-            f"accum_steps={m} must divide the batch rows, got {rows} rows. Fix: make the "
-            f"global batch size a multiple of {m}, or change accum_steps."
-        )
-    return jax.tree.map(lambda v: jnp.swapaxes(v.reshape(rows // m, m, *v.shape[1:]), 0, 1), batch)
+__all__ = ["LossFn", "make_train_step"]
 
 
 def make_train_step(
@@ -386,133 +268,3 @@ def make_train_step(
         out_shardings=(state_sharding, None),
         donate_argnums=(0,) if donate else (),
     )
-
-
-def make_train_forward(
-    model: ModelFns,
-    loss_fn: LossFn,
-    *,
-    micro: bool = False,
-    compute_dtype: Any = None,
-    weigh_rows: bool = True,
-) -> Step:
-    """A jitted ``forward(state, batch, i) -> (outputs, loss)``: the train step's forward alone.
-
-    The model's training-mode outputs and the batch's mean loss exactly as the next
-    :func:`make_train_step` call computes them: the same params (the state before the
-    update), the same random key (``fold_in(state.rng, state.step)``, and for ``micro=True``
-    micro-batch ``i``'s ``fold_in(key, i)``), so dropout masks agree. For the shell to report
-    a micro-batch's own loss while its accumulation window is still open (Lightning's
-    ``on_train_batch_end`` outputs), or what a traced step returns beside its loss. The
-    state is not donated nor changed.
-
-    Args:
-        model: init/apply functions.
-        loss_fn: ``(outputs, batch) -> (loss[B], metrics)``.
-        micro: the batch is micro-batch ``i`` of a ``stacked_micro`` accumulation window;
-            ``False``: a whole step's batch (``i`` is ignored).
-        compute_dtype: as for :func:`make_train_step`.
-        weigh_rows: as for :func:`make_train_step`.
-
-    Returns:
-        The jitted :class:`jaxcore.Step`.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxcore
-        >>> from jaxcore.models.digits import MLP
-        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
-        >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32)}
-        >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
-        ...     mesh=jaxcore.make_mesh({"data": -1}))
-        >>> _, loss = make_train_forward(model, jaxcore.softmax_cross_entropy)(st, batch, 0)
-        >>> step = make_train_step(model, jaxcore.softmax_cross_entropy, tx,
-        ...     state_sharding=jaxcore.state_shardings(st))
-        >>> _, metrics = step(st, batch)
-        >>> bool(jnp.allclose(loss, metrics["loss"]))
-        True
-    """
-    dtype = resolve_dtype(compute_dtype)
-    dtype = None if dtype == jnp.float32 else dtype
-
-    def forward(state: TrainState, batch: Batch, i: jax.Array) -> tuple[Any, jax.Array]:
-        key = jax.random.fold_in(state.rng, state.step)
-        if micro:
-            key = jax.random.fold_in(key, i)
-        outputs, _ = _forward(model, state.params, state.model_state, batch, key, dtype)
-        losses, _ = loss_fn(outputs, batch)
-        mask, count = _weights(batch, weigh_rows)
-        return outputs, _reduce(losses, mask, count) / jnp.maximum(count, 1.0)
-
-    return Step(forward, name="train_forward")
-
-
-def make_eval_step(
-    model: ModelFns,
-    loss_fn: LossFn,
-    *,
-    batch_sharding: PyTree = None,
-    state_sharding: PyTree = None,
-    compute_dtype: Any = None,
-) -> Step:
-    """A jitted ``eval_step(state, batch) -> sums`` for exact epoch means.
-
-    Returns sums over the valid rows and their ``count``; divide the accumulated sums by the
-    accumulated count for means that padded rows never touch.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxcore
-        >>> from jaxcore.models.digits import MLP
-        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
-        >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32),
-        ...          "mask": jnp.arange(8) < 6}
-        >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
-        ...     mesh=jaxcore.make_mesh({"data": -1}))
-        >>> float(make_eval_step(model, jaxcore.softmax_cross_entropy)(st, batch)["count"])
-        6.0
-    """
-    dtype = resolve_dtype(compute_dtype)
-    dtype = None if dtype == jnp.float32 else dtype
-
-    def step(state: TrainState, batch: Batch) -> Metrics:
-        outputs, _ = model.apply(
-            cast_floating(state.params, dtype),
-            state.model_state,
-            _inputs(batch, dtype),
-            state.rng,
-            False,
-        )
-        losses, metrics = loss_fn(cast_floating(outputs, jnp.float32), batch)
-        mask = _mask(batch, _rows(batch)).astype(jnp.float32)
-        count = jnp.sum(mask)
-        sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
-        return {"loss": _reduce(losses, mask, count), **sums, "count": count}
-
-    return Step(step, name="eval_step", in_shardings=(state_sharding, batch_sharding))
-
-
-def make_predict_step(model: ModelFns, *, compute_dtype: Any = None) -> Step:
-    """A jitted ``predict_step(state, batch) -> outputs`` in eval mode.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxcore
-        >>> from jaxcore.models.digits import MLP
-        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
-        >>> st = jaxcore.init_train_state(model, tx, {"x": jnp.ones((8, 64))}, seed=0,
-        ...     mesh=jaxcore.make_mesh({"data": -1}))
-        >>> make_predict_step(model)(st, {"x": jnp.ones((8, 64))}).shape
-        (8, 10)
-    """
-    dtype = resolve_dtype(compute_dtype)
-    dtype = None if dtype == jnp.float32 else dtype
-
-    def step(state: TrainState, batch: Batch) -> PyTree:
-        outputs = model.apply(
-            cast_floating(state.params, dtype),
-            state.model_state,
-            _inputs(batch, dtype),
-            state.rng,
-            False,
-        )[0]
-        return cast_floating(outputs, jnp.float32)
-
-    return Step(step, name="predict_step")
