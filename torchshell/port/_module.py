@@ -44,6 +44,7 @@ from torchshell._batches import (
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
+from torchshell.port._manual_parts import ManualParts
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_rules import TorchOptState
 from torchshell.port._optim_state import state_from_torch, state_to_torch
@@ -113,7 +114,7 @@ def _first_rows(tree: Any) -> int:
     return 0
 
 
-class LightningParts(UserMetrics, UserEvaluation, _Shared):
+class LightningParts(ManualParts, UserMetrics, UserEvaluation, _Shared):
     """What :class:`~torchshell.module.LightningJaxModule` adds to a ``JaxModule``.
 
     A part, not a ``JaxModule`` itself (``torchshell.module`` builds the class from it, so
@@ -138,7 +139,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
     ) -> None:
         port = LightningPort(module)
         custom = [hook for hook in _OPTIMIZER_HOOKS if port.overrides(hook)]
-        if custom:
+        if custom and module.automatic_optimization:  # (manual: see ManualParts)
             raise ConfigError(
                 f"{type(module).__name__} overrides {custom}: torch code around the backward "
                 "pass or the optimizer step, which the compiled JAX step does not run. Fix: "
@@ -266,6 +267,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         if self.tx is not None:
             return []
         self._configured()
+        if self.manual:  # the user's own return: its training_step steps them (by hand)
+            return self._returned
         optimizer, configs = parse_configure_optimizers(self._returned)
         self._configs = configs
         return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
@@ -314,6 +317,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
 
     def _map(self, *, provisional: bool) -> None:
         self._configured()
+        if self.manual:
+            self._map_manual(provisional=provisional)
+            return
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
@@ -347,6 +353,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         self._lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
 
     def optimizer(self) -> optax.GradientTransformation:
+        if self.manual and self.tx is None:
+            self._configured()
+            return self.manual_plan.tx()
         if self.tx is None:
             if self.mapped is None:
                 self._map(provisional=True)  # the state's structure; tables come at train start
@@ -373,6 +382,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
                 "meaningless suggestion). Fix: choose the lr with a few short fits at "
                 "different lr values, or run lr_find on the plain LightningModule."
             )
+        if self.manual:
+            self._check_manual()
         if self.tx is None:
             self._map(provisional=False)
             if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
@@ -531,7 +542,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
         """The module's ``on_after_backward``/``on_before_optimizer_step``, traced on the
         step's gradients (``LightningPort.grads_fn``), or ``None`` when it has neither."""
         hooks = tuple(hook for hook in GRADS_HOOKS if self.port.overrides(hook))
-        if not hooks:
+        if not hooks or self.manual:  # (manual: refused, see ManualParts)
             return None
         if "on_after_backward" in hooks and self.flags.accumulate > 1:
             raise ConfigError(
@@ -579,6 +590,8 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
 
         state = state.replace(params=put(state.params), model_state=put(state.model_state))
         torch_opt, self._restore_optim = self._restore_optim, None
+        if self.manual and torch_opt is not None and self.tx is None:  # (the whole .ckpt)
+            return self._manual_restore(state, torch_opt)
         if torch_opt is None or self.mapped is None or self.tx is not None:
             print(
                 "coreshell: starting from the checkpoint's weights; it holds no optimizer state "
@@ -624,7 +637,9 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
             checkpoint["state_dict"] = user.state_dict()
         else:
             checkpoint["state_dict"] = self.torch_state_dict()
-            if self.mapped is not None and self.tx is None:  # plain Lightning resumes from it
+            if self.manual and self.tx is None:
+                self._manual_checkpoint(checkpoint)
+            elif self.mapped is not None and self.tx is None:  # plain Lightning resumes from it
                 opt_state = self.state.opt_state
                 if self.flags.clip_val is not None:
                     opt_state = opt_state[1]
@@ -654,7 +669,7 @@ class LightningParts(UserMetrics, UserEvaluation, _Shared):
             # a plain Lightning run counted its optimizer steps under automatic optimization
             loop["epoch_loop.manual_optimization.optim_step_progress"] = steps
         if _state_io.STATE_KEY not in checkpoint and checkpoint.get("optimizer_states"):
-            self._restore_optim = checkpoint["optimizer_states"][0]
+            self._restore_optim = checkpoint if self.manual else checkpoint["optimizer_states"][0]
             self._restore_step = int(checkpoint.get("global_step", 0))
 
 

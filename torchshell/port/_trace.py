@@ -26,12 +26,12 @@ import torch
 from torchmetrics import Metric
 
 from jaxcore import TOTAL, ModelFns
-from torchshell import trace as patterns
+from torchshell import _torch_patterns as patterns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
+from torchshell._torch_patterns import TracedScalar
 from torchshell._torch_static import STATIC_KEY, check_static_reads
 from torchshell.torch_model import TorchTracer
-from torchshell.trace import TracedScalar
 
 __all__ = [
     "APPENDED_KEY",
@@ -327,14 +327,12 @@ class LightningPort:
                 f"{type(module).__name__}. Fix: pass MyModule(**hparams); for a plain "
                 "nn.Module use JaxModule.from_torch."
             )
-        if not module.automatic_optimization:
-            raise ConfigError(
-                f"{type(module).__name__} uses manual optimization (automatic_optimization="
-                "False): its training_step calls the torch optimizer itself, which a compiled "
-                "JAX step cannot. Fix: return the loss from training_step with automatic "
-                "optimization, or use JaxModule.from_torch with an optax optimizer."
-            )
         self.module = module
+        # manual optimization (torchshell.port._manual): the mapped optimizers, and the run
+        # whose stand-ins a trace of training_step uses (None: a shape-only one)
+        self.manual_plan: Any = None
+        self.manual: Any = None
+        self.manual_steps = 1  # opt.step() calls per training_step (global_step's count)
         self.tracer = TorchTracer(module)
         # per hook key: the numbers and types of the batch scalars it reads (specialise)
         self.statics: dict[str, tuple[list[int], list[type]]] = {}
@@ -626,7 +624,10 @@ class LightningPort:
             ):
                 lists = _lists(self.module)
                 try:
-                    out = getattr(self.module, hook)(b, 0, *extra)
+                    if hook == "training_step" and self.manual_plan is not None:
+                        out = self._manual_call(b)
+                    else:
+                        out = getattr(self.module, hook)(b, 0, *extra)
                 finally:
                     appended = _take_appended(self.module, lists)
             if hook == "training_step":  # (every trace of it: see LightningParts._outputs_ahead)
@@ -640,6 +641,24 @@ class LightningPort:
             )
 
         return fn
+
+    def _manual_call(self, batch: Any) -> tuple[Any, dict[str, Any]]:
+        """``training_step`` under manual optimization: ``(its return, the run's results)``."""
+        from torchshell.port._manual import BatchIdx, ManualRun
+
+        run = self.manual or ManualRun(self.manual_plan, [], [], dry=True)
+        idx = BatchIdx(0)
+        idx.owner = type(self.module).__name__
+        with run.installed(self.module, self.tracer.env):
+            out = self.module.training_step(batch, idx)
+            return out, run.results()
+
+    def manual_loss(self, returned: Any, losses: list[jax.Array]) -> jax.Array:
+        """A manual step's loss: the one it returned, else its first backward call's."""
+        loss = returned.get("loss") if isinstance(returned, Mapping) else returned
+        if loss is not None and getattr(loss, "size", 0) == 1:
+            return jnp.asarray(loss, jnp.float32).reshape(())
+        return losses[0] if losses else jnp.zeros((), jnp.float32)
 
     def grads_fn(self, hooks: tuple[str, ...], optimizer: Any) -> Any:
         """The module's gradient hooks as a ``(state, grads) -> (grads, logs)`` JAX function.
@@ -781,6 +800,9 @@ class LightningPort:
         self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
         out, logs, new_state = self.call("training_step", params, model_state, batch, rng, train)
+        if self.manual_plan is not None:  # (a shape-only trace, or the step's forward alone)
+            returned, results = out
+            out = {"loss": self.manual_loss(returned, results["losses"])}
         appended: Any = logs.pop(APPENDED_KEY, {})  # ({list attribute: [values]})
         extras = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
         extras = jax.tree.map(lambda v: v if isinstance(v, jax.Array) else None, extras)

@@ -1,0 +1,150 @@
+"""What :class:`~torchshell.port._module.LightningParts` does under the user's manual
+optimization (``automatic_optimization = False``): the plan of several optimizers, its
+compiled step (:func:`~torchshell.port._manual.manual_step`), ``global_step`` counting
+``opt.step()`` calls, and each optimizer's and scheduler's state in the ``.ckpt``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+import jaxcore
+from torchshell._errors import ConfigError
+from torchshell.port._manual import manual_step
+from torchshell.port._manual_optim import ManualPlan, map_manual
+
+__all__ = ["MANUAL_REFUSED", "ManualParts"]
+
+# Hooks Lightning runs around manual_backward / opt.step (on_before_backward, backward,
+# on_after_backward, on_before_optimizer_step): the stand-ins do not run them. Others it never
+# runs under manual optimization (optimizer_step, on_before_zero_grad, lr_scheduler_step,
+# configure_gradient_clipping), here neither.
+MANUAL_REFUSED = ("backward", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+class ManualParts:
+    """Manual optimization's part of :class:`LightningParts` (see the module docstring)."""
+
+    port: Any
+    flags: Any
+    tx: Any
+    state: Any
+    nan_policy: str
+    trainer: Any
+    _trainer: Any
+    _returned: Any
+    _pristine: Any
+    steps_per_call: int
+    accum_steps: int
+
+    @property
+    def manual(self) -> bool:
+        """The user's module steps its optimizers itself."""
+        return not self.port.module.automatic_optimization
+
+    def _check_manual(self) -> None:
+        """Refuses what manual optimization cannot be combined with, naming it and the fix."""
+        owner = type(self.port.module).__name__
+        custom = [hook for hook in MANUAL_REFUSED if self.port.overrides(hook)]
+        if custom:
+            raise ConfigError(
+                f"{owner} overrides {custom} under manual optimization: Lightning runs them "
+                "inside manual_backward/opt.step, where from_lightning's compiled step does not "
+                "(its gradients are not torch .grad tensors). Fix: remove the override, or "
+                "move its code into training_step (e.g. self.clip_gradients(opt, ...))."
+            )
+        if self.tx is not None:
+            raise ConfigError(
+                f"{owner} uses manual optimization and optimizer= was given: its training_step "
+                "steps its own optimizers. Fix: drop optimizer=, or return the loss with "
+                "automatic optimization."
+            )
+        if self.flags.accumulate > 1 or self.flags.clip_val is not None:
+            raise ConfigError(
+                f"{owner} uses manual optimization with Trainer(accumulate_grad_batches="
+                f"{self.flags.accumulate}, gradient_clip_val={self.flags.clip_val}), which "
+                "Lightning refuses too. Fix: clip in training_step with self.clip_gradients("
+                "opt, gradient_clip_val=...), and drop accumulate_grad_batches."
+            )
+        if self.steps_per_call > 1 or self.accum_steps > 1:
+            raise ConfigError(
+                f"{owner} uses manual optimization with steps_per_call={self.steps_per_call}, "
+                f"accum_steps={self.accum_steps}. Fix: set both to 1."
+            )
+
+    def _map_manual(self, *, provisional: bool) -> None:
+        """Maps the user's optimizers; schedulers tabulated for the run's batches (a few
+        ``sch.step()`` calls per batch at most; later calls keep the last value)."""
+        trainer = self._trainer
+        batches = None if trainer is None or provisional else trainer.num_training_batches
+        total = 1
+        if batches is not None and trainer is not None:
+            if trainer.max_steps > 0:
+                total = trainer.max_steps
+            elif not math.isinf(batches):
+                epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
+                total = int(batches) * epochs
+        if self.port.manual_plan is not None and self.__dict__.get("_manual_total") == total:
+            return
+        self.__dict__["_manual_total"] = total
+        named = {
+            k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
+        }
+        self.port.manual_plan = map_manual(self._pristine, named, total_steps=4 * total + 1)
+        self._train_step = None  # the tables are constants of the compiled step
+        if trainer is not None and not provisional and trainer.is_global_zero:
+            names = ", ".join(m.description for m in self.port.manual_plan.mapped)
+            print(f"coreshell: manual optimization, optimizers {names} (mapped onto optax)")
+
+    @property
+    def manual_plan(self) -> ManualPlan:
+        """The mapped optimizers (mapped on first use)."""
+        if self.port.manual_plan is None:
+            self._map_manual(provisional=True)
+        plan: ManualPlan = self.port.manual_plan
+        return plan
+
+    def _make_train_step(self, micro: int, state: Any, **kwargs: Any) -> jaxcore.Step:
+        if not self.manual:
+            return super()._make_train_step(micro, state, **kwargs)  # type: ignore[misc]
+        self._check_manual()
+        return manual_step(
+            self.port,
+            self.manual_plan,
+            state_sharding=jaxcore.state_shardings(state),
+            nan_policy=self.nan_policy,
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Under manual optimization ``global_step`` counts ``opt.step()`` calls, as in
+        Lightning (two optimizers stepped: two per batch)."""
+        if not self.manual:
+            return super().training_step(batch, batch_idx)  # type: ignore[misc]
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        before = progress.total.completed
+        out = super().training_step(batch, batch_idx)  # type: ignore[misc]
+        n = self.port.manual_steps
+        progress.total.ready = progress.total.completed = before + n
+        progress.current.ready = progress.current.completed = progress.current.completed - 1 + n
+        return out
+
+    def _manual_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Each optimizer's and scheduler's state as plain Lightning writes them."""
+        optimizers, schedulers = self.manual_plan.to_torch(jax.device_get(self.state.opt_state))
+        checkpoint["optimizer_states"] = optimizers
+        checkpoint["lr_schedulers"] = schedulers
+
+    def _manual_restore(self, state: Any, checkpoint: Mapping[str, Any]) -> Any:
+        """``state.opt_state`` from a plain Lightning checkpoint's optimizer and scheduler
+        states."""
+        opt_state = self.manual_plan.from_torch(
+            checkpoint.get("optimizer_states", ()),
+            checkpoint.get("lr_schedulers", ()),
+            state.params,
+        )
+        shardings = jax.tree.map(lambda x: x.sharding, state.opt_state)
+        return state.replace(opt_state=jax.device_put(opt_state, shardings))
