@@ -26,12 +26,12 @@ import torch
 from torchmetrics import Metric
 
 from jaxcore import TOTAL, ModelFns
-from torchshell import _torch_patterns as patterns
+from torchshell import trace as patterns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
-from torchshell._torch_patterns import TracedScalar
 from torchshell._torch_static import STATIC_KEY, check_static_reads
 from torchshell.torch_model import TorchTracer
+from torchshell.trace import TracedScalar
 
 __all__ = [
     "APPENDED_KEY",
