@@ -14,6 +14,7 @@ gather would. The op here stops the gradient at those positions.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,12 +87,15 @@ class EmbeddingChecks:
         return self._env.j2t_iso(out)
 
     def check(self, batch: Any) -> None:
-        """Refuses indices outside ``[0, rows)`` in the fields found while tracing."""
+        """Refuses indices outside ``[0, rows)`` in the fields found while tracing
+        (torch tensors, or concrete numpy or JAX arrays)."""
         if not self.fields:
             return
         for path, t in jax.tree_util.tree_leaves_with_path(batch):
             rows = self.fields.get(jax.tree_util.keystr(path))
-            if rows is None or not isinstance(t, torch.Tensor) or not t.numel():
+            if rows is None or not hasattr(t, "shape") or not math.prod(t.shape):
+                continue
+            if isinstance(t, jax.core.Tracer):  # (inside a jit: checked on the host batch)
                 continue
             low, high = int(t.min()), int(t.max())
             if low < 0 or high >= rows:

@@ -93,7 +93,37 @@ def is_lowering_error(err: BaseException) -> bool:
         or isinstance(err, DATA_DEPENDENT)
         or (isinstance(err, AssertionError) and "mixed math" in str(err))
         or failing_op(err) is not None
+        or is_raw(err)
     )
+
+
+def is_raw(err: BaseException) -> bool:
+    """An exception of torchax or JAX itself (its type, or raised in their code: torchax's
+    ``assert``, ``lax.cond``'s ``TypeError``), which a user must never see raw."""
+    if isinstance(err, TorchModelError):
+        return False
+    if type(err).__module__.startswith(("jax", "jaxlib", "torchax")):
+        return True
+    tb: types.TracebackType | None = err.__traceback__
+    last = ""
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return any(part in last for part in ("/torchax/", "/jax/", "/jaxlib/"))
+
+
+def unlowered_op(err: BaseException) -> str | None:
+    """The op torchax passed to its own kernel (a namespace it does not lower, such as
+    ``torchaudio::rnnt_loss_forward``), where that kernel met a torchax tensor."""
+    op = None
+    tb: types.TracebackType | None = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if code.co_name == "__torch_dispatch__" and code.co_filename.endswith("torchax/tensor.py"):
+            func: Any = frame.f_locals.get("func")
+            op = func.name() if hasattr(func, "name") else getattr(func, "__name__", None)
+        tb = tb.tb_next
+    return op
 
 
 def where(err: BaseException, names: Mapping[int, str]) -> tuple[str, str]:
@@ -108,7 +138,7 @@ def where(err: BaseException, names: Mapping[int, str]) -> tuple[str, str]:
             path = f"{path} ({type(owner).__name__})"
             site = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
         tb = tb.tb_next
-    return path or "<unknown>", site
+    return path or "the traced code", site
 
 
 def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) -> TorchModelError:
@@ -159,6 +189,30 @@ def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) ->
             "jaxcore.init_train_state), but this is neither. Fix: make the computation "
             "shape-static (torch.where instead of `if`, masks instead of boolean indexing), "
             f"{FLAX_ROUTE}"
+        )
+    if "mixed math" not in str(err) and (op := unlowered_op(err)) is not None:
+        return TorchModelError(
+            f"torchax has no lowering for the op `{op}`, called in module {path}{at} ({mode} "
+            "mode): torchax lowers aten (and torchvision) ops to JAX and hands any other op to "
+            "its own C++ kernel, which cannot read traced JAX values (torchax said: "
+            f"{type(err).__name__}: {str(err)[:120]}...). Expected a forward (and loss) "
+            "made of ops torchax lowers. Fix: compute it with torch ops (or a JAX loss_fn), "
+            f"{FLAX_ROUTE}"
+        )
+    if is_raw(err) and "cond branches" in str(err):
+        return TorchModelError(
+            f"A traced Python bool (an `if` on a tensor value) in {path}{at} ({mode} mode) "
+            "leads to outcomes that return different shapes or dtypes; each outcome is a "
+            f"branch of one lax.cond, and JAX needs them to match ({str(err)[:200]}). "
+            "Expected both outcomes to give tensors of the same shapes. Fix: compute both and "
+            f"pick with torch.where, or keep the shapes equal, {FLAX_ROUTE}"
+        )
+    if is_raw(err) and "mixed math" not in str(err):
+        failed = failing_op(err) or "an op"
+        return TorchModelError(
+            f"Tracing module {path}{at} ({mode} mode) failed inside torchax/JAX at {failed}: "
+            f"{type(err).__name__}: {err}. Expected a forward torchax can trace. Fix: write "
+            f"that line with other torch ops, {FLAX_ROUTE}"
         )
     return TorchModelError(
         f"The forward of module {path}{at} ({mode} mode) mixes a plain CPU torch.Tensor with "

@@ -24,6 +24,7 @@ import bridge
 from jaxcore import ModelFns
 from jaxcore.model import _inputs as jaxcore_inputs
 from torchshell import trace as patterns
+from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import TorchModelError
 
 Batch = Mapping[str, Any]
@@ -67,11 +68,17 @@ class StaticSpec:
         self.types: dict[bool, list[type]] = {}
         self.seen: dict[bool, set[tuple[int, ...]]] = {True: set(), False: set()}
         self.last: dict[bool, tuple[int, ...]] = {}
+        # the batch fields that index an nn.Embedding, found while tracing (as torch does:
+        # an id past the table is refused, not trained into NaN)
+        self.embeddings = EmbeddingChecks()
+        self.embeddings.install(tracer.env)
 
     def discover(self, concrete: Batch, train: bool) -> None:
         """Finds the host reads of the forward on a concrete batch (see ``host_reads``)."""
         module = self.tracer.module
-        self.learn(train, self.tracer.host_reads(module, _inputs(concrete, self.keys), train))
+        with self.embeddings.watching({k: concrete[k] for k in self.keys if k in concrete}):
+            reads = self.tracer.host_reads(module, _inputs(concrete, self.keys), train)
+        self.learn(train, reads)
 
     def learn(self, train: bool, values: Mapping[int, Any]) -> None:
         """Keeps the read numbers (and Python types) that need a static value."""
@@ -129,6 +136,7 @@ class StaticSpec:
             concrete = {k: _concrete(batch[k]) for k in self.keys if k in batch}
             for mode in (True, False):
                 self.discover(concrete, mode)
+            self.embeddings.check(concrete)  # the first batch (the shell checks the rest)
         if not self.needed(train):
             return batch
         values = self._host_values(batch, train)

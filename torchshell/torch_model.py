@@ -41,15 +41,9 @@ from jaxcore import ModelFns
 from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
 from torchshell._hf import no_kv_cache
-from torchshell._torch_errors import is_lowering_error, lowering_error
+from torchshell._torch_errors import is_lowering_error, is_raw, lowering_error
 from torchshell._torch_export import params_to_state_dict
-from torchshell._torch_static import (
-    STATIC_KEY,
-    StaticSpec,
-    _concrete,
-    _inputs,
-    specialise_batch,
-)
+from torchshell._torch_static import STATIC_KEY, StaticSpec, _concrete, _inputs, specialise_batch
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -67,20 +61,6 @@ def _to_jax(t: torch.Tensor) -> jax.Array:
     """A JAX copy of a torch tensor (never aliasing it: the module may keep training);
     64-bit values narrow to 32 bits with a range check (:func:`bridge.as_jax`)."""
     return bridge.as_jax(t, name="a weight or buffer")
-
-
-class _Bound(nn.Module):
-    """Calls ``fn`` with ``module`` registered as its only child, so
-    ``torch.func.functional_call`` can swap the module's weights for any method, not just
-    ``forward`` (names gain the ``m.`` prefix)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.m = module
-        self.fn: Callable[..., Any] | None = None  # None: the module's own forward
-
-    def forward(self, *args: Any) -> Any:
-        return (self.m if self.fn is None else self.fn)(*args)
 
 
 class TorchTracer:
@@ -125,7 +105,7 @@ class TorchTracer:
         }
         self.consts = {k: _to_jax(v) for k, v in named.items() if k not in persistent}
         self.names = {id(m): name for name, m in module.named_modules()}
-        self._bound = _Bound(module)
+        self._bound = patterns.Bound(module)
         self.carried: set[str] = set()  # attributes a call set from traced values
         self._warned: set[str] = set()
 
@@ -160,13 +140,18 @@ class TorchTracer:
                 "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
             )
             where = f"{type(self.module).__name__} ({'train' if train else 'eval'} mode)"
-            return patterns.explore(
-                lambda decisions: self._run(
-                    fn, params, model_state, list(args), rng, train, decisions
-                ),
-                self.max_branches,
-                where,
-            )
+            try:
+                return patterns.explore(
+                    lambda decisions: self._run(
+                        fn, params, model_state, list(args), rng, train, decisions
+                    ),
+                    self.max_branches,
+                    where,
+                )
+            except Exception as err:  # JAX's own (lax.cond's paths disagree): never raw
+                if is_raw(err):
+                    raise lowering_error(err, self.names, train) from err
+                raise
 
     def _run(
         self,
@@ -238,7 +223,7 @@ class TorchTracer:
         self, fn: Callable[..., Any], args: Sequence[Any], train: bool, concrete: bool = True
     ) -> None:
         """``fn(*args)`` traced with abstract weights and key; ``args`` concrete or not."""
-        spec = jax.tree.map(_spec, (self.params0, self.state0))
+        spec = jax.tree.map(patterns.spec, (self.params0, self.state0))
         if concrete:  # closed over: ops on them alone are evaluated while tracing
             jax.eval_shape(
                 lambda p, s, r: self.call(fn, p, s, args, r, train), *spec, jax.random.key(0)
@@ -248,7 +233,7 @@ class TorchTracer:
                 lambda p, s, r, a: self.call(fn, p, s, a, r, train),
                 *spec,
                 jax.random.key(0),
-                jax.tree.map(_spec, list(args)),
+                jax.tree.map(patterns.spec, list(args)),
             )
 
     def discover(self, fn: Callable[..., Any], args: Sequence[Any], train: bool) -> list[Any]:
@@ -312,16 +297,9 @@ class TorchTracer:
 
     def check(self, fn: Callable[[PyTree, bool], Any], batch: PyTree) -> None:
         """Traces ``fn(batch, train)`` abstractly in train and eval mode (shapes only)."""
-        spec = jax.tree.map(_spec, batch)
+        spec = jax.tree.map(patterns.spec, batch)
         for train in (True, False):
             jax.eval_shape(lambda b, t=train: fn(b, t), spec)
-
-
-def _spec(v: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(v, torch.Tensor):
-        dtype = _to_jax(torch.empty(0, dtype=v.dtype)).dtype
-        return jax.ShapeDtypeStruct(tuple(v.shape), dtype)
-    return jax.ShapeDtypeStruct(v.shape, v.dtype)
 
 
 def torch_model_fns(
@@ -381,7 +359,11 @@ def torch_model_fns(
     def forward(
         params: PyTree, model_state: PyTree, batch: Batch, rng: jax.Array, train: bool
     ) -> tuple[PyTree, PyTree]:
-        with tracer.static_values(static.values_of(batch, train)):
+        fields = {k: batch[k] for k in keys if k in batch}
+        with (
+            tracer.static_values(static.values_of(batch, train)),
+            static.embeddings.watching(fields),
+        ):
             try:
                 return tracer.call(module, params, model_state, _inputs(batch, keys), rng, train)
             except patterns.NeedsStatic as err:
@@ -406,6 +388,7 @@ def torch_model_fns(
         return dict(tracer.params0), dict(tracer.state0)
 
     forward.torch_static = static  # type: ignore[attr-defined]  # for specialise_batch
+    forward.torch_embeddings = static.embeddings  # type: ignore[attr-defined]  # check_batch
     if example is not None:
         check(example)
     return ModelFns(init, forward)

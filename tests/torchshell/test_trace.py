@@ -113,3 +113,48 @@ def test_a_pad_amount_from_the_weights_is_named_as_what_it_is() -> None:
     assert "lowering of the op `pad`" in msg and "jtorch.py:" in msg, msg
     assert "<root> (FromWeights)" in msg and "test_trace.py:" in msg, msg
     assert "a tensor argument there is traced" in msg and "Fix:" in msg, msg
+
+
+# -- no raw torchax or JAX exception reaches the user ------------------------------------------
+def test_an_op_without_a_lowering_is_named_not_torchax_assertion() -> None:
+    """Before: the raw ``AssertionError: torchax Tensors can only do math within the torchax
+    environment...`` (torchaudio's ``rnnt_loss`` runs its own C++ kernel on torchax tensors)."""
+    torchaudio = pytest.importorskip("torchaudio")
+
+    class Transducer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.joint = nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            lengths = torch.full((2,), 3, dtype=torch.int32)
+            return torchaudio.functional.rnnt_loss(
+                self.joint(x), targets, lengths, torch.full((2,), 2, dtype=torch.int32)
+            )
+
+    batch = {"x": torch.randn(2, 3, 3, 4), "targets": torch.ones(2, 2, dtype=torch.int32)}
+    with pytest.warns(UserWarning, match="deprecated"), pytest.raises(TorchModelError) as err:
+        torch_model_fns(Transducer(), ("x", "targets"), example=batch)
+    msg = str(err.value)
+    assert "no lowering for the op `torchaudio::rnnt_loss" in msg, msg
+    assert "<root> (Transducer)" in msg and "test_trace.py:" in msg and "Fix:" in msg, msg
+    assert isinstance(err.value.__cause__, AssertionError)  # kept as the cause, not shown raw
+
+
+def test_branches_of_a_traced_bool_that_disagree_are_named_not_jax_type_error() -> None:
+    """Before: JAX's raw ``TypeError: cond branches must have equal output types``."""
+
+    class Crop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y[:, :2] if torch.rand(1).item() < 0.5 else y
+
+    with pytest.raises(TorchModelError) as err:
+        torch_model_fns(Crop(), example={"x": torch.ones(2, 4)})
+    msg = str(err.value)
+    assert "traced Python bool" in msg and "torch.where" in msg and "Fix:" in msg, msg
+    assert isinstance(err.value.__cause__, TypeError)

@@ -21,6 +21,7 @@ Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, and
 
 from torchshell.trace._env import check_class_target, environment, tracing
 from torchshell.trace._paths import (
+    Bound,
     attributes_kept,
     decode,
     encode,
@@ -28,6 +29,7 @@ from torchshell.trace._paths import (
     is_check,
     mode,
     plain,
+    spec,
     traced,
 )
 from torchshell.trace._reads import (
@@ -43,6 +45,7 @@ from torchshell.trace._reads import (
 __all__ = [
     "HOST",
     "TRACED",
+    "Bound",
     "Branch",
     "NeedsStatic",
     "ProbeDone",
@@ -57,6 +60,7 @@ __all__ = [
     "is_check",
     "mode",
     "plain",
+    "spec",
     "traced",
     "tracing",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import bridge
 from torchshell._errors import TorchModelError
 from torchshell.trace._reads import Branch
 
@@ -194,3 +195,25 @@ def _as_dicts(x: Any) -> Any:
     if type(x).__module__ == "torch.return_types":  # torch.max(x, 1): (values, indices)
         return tuple(_as_dicts(v) for v in x)
     return x
+
+
+class Bound(nn.Module):
+    """Calls ``fn`` with ``module`` registered as its only child, so
+    ``torch.func.functional_call`` can swap the module's weights for any method, not just
+    ``forward`` (names gain the ``m.`` prefix)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.m = module
+        self.fn: Callable[..., Any] | None = None  # None: the module's own forward
+
+    def forward(self, *args: Any) -> Any:
+        return (self.m if self.fn is None else self.fn)(*args)
+
+
+def spec(v: Any) -> jax.ShapeDtypeStruct:
+    """The shape and (JAX) dtype of a torch tensor or an array, for an abstract trace."""
+    if isinstance(v, torch.Tensor):
+        dtype = bridge.as_jax(torch.empty(0, dtype=v.dtype)).dtype
+        return jax.ShapeDtypeStruct(tuple(v.shape), dtype)
+    return jax.ShapeDtypeStruct(v.shape, v.dtype)
