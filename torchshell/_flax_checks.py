@@ -17,6 +17,7 @@ A module reaches these through :func:`check_batch` in its hand-over (``_prepare`
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -153,14 +154,29 @@ def check_lengths_and_masks(batch: Mapping[str, Any], *, row_mask: bool = True) 
         ...
         jaxcore._errors.BatchError: The batch field 'lengths' holds -1 at row 1; ...
     """
+    lengths, masks = _checked_fields(tuple(batch))
+    if not lengths and not masks:  # (the common case: one look-up per batch)
+        return
     rows = _rows(batch)
-    for key, t in batch.items():
-        if not isinstance(t, torch.Tensor) or not t.dim():
-            continue
-        if _LENGTH.search(key):
+    for key in lengths:
+        t = batch[key]
+        if isinstance(t, torch.Tensor) and t.dim():
             _check_length(key, t)
-        if key.endswith("mask") and rows is not None:
+    for key in masks:
+        t = batch[key]
+        if isinstance(t, torch.Tensor) and t.dim() and rows is not None:
             _check_mask(key, t, batch, rows, row_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_fields(keys: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Which fields of a batch with these keys hold lengths and which masks (by name: the
+    names are fixed for a run, so this is worked out once, not per batch)."""
+    names = [k for k in keys if isinstance(k, str)]
+    return (
+        tuple(k for k in names if _LENGTH.search(k)),
+        tuple(k for k in names if k.endswith("mask")),
+    )
 
 
 def check_batch(module: Any, batch: Any) -> None:
