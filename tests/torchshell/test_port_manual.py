@@ -220,3 +220,33 @@ def test_checkpoint_holds_every_optimizer_and_scheduler_as_lightning(tmp_path: P
     trainer = _trainer(tmp_path / "resume", Rows(), max_epochs=2)
     trainer.fit(resumed, _loader(), ckpt_path=tmp_path / "ported.ckpt")
     assert trainer.global_step == 4 * N_BATCHES
+
+
+class WithHooks(GAN):
+    """Overrides hooks Lightning does not run under manual optimization."""
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("not run under manual optimization")
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        raise AssertionError("not run under manual optimization")
+
+
+class AfterBackward(GAN):
+    """Overrides a hook Lightning runs inside manual_backward."""
+
+    def on_after_backward(self) -> None:
+        pass
+
+
+def test_hooks_lightning_skips_under_manual_are_skipped_others_refused(tmp_path: Path) -> None:
+    plain, ported = GAN("toggle"), WithHooks("toggle")
+    _trainer(tmp_path / "plain", Rows()).fit(plain, _loader())
+    _trainer(tmp_path / "ported", Rows()).fit(JaxModule.from_lightning(ported), _loader())
+    reference, trained = _weights(plain), _weights(ported)
+    for k, v in reference.items():
+        np.testing.assert_allclose(trained[k], v, rtol=2e-5, atol=2e-6, err_msg=k)
+    with pytest.raises(ConfigError, match=r"on_after_backward.*manual optimization.*Fix"):
+        _trainer(tmp_path / "refused", Rows()).fit(
+            JaxModule.from_lightning(AfterBackward()), _loader()
+        )
