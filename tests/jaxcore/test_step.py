@@ -105,8 +105,11 @@ def test_nan_guard_stop_keeps_the_last_good_state(init16):
     assert int(state.nonfinite_step) == 1
     _close(jax.device_get(state.params), _good_steps(1, init16), rtol=1e-6)
     # the step looked at its input: the error names the field and row, not the learning rate
-    with pytest.raises(jaxcore.BatchError, match=r"\['x'\] holds NaN or Inf in rows \[3\] "
-                       r"\(of 16\) at step 1") as err:
+    with pytest.raises(
+        jaxcore.BatchError,
+        match=r"\['x'\] holds NaN or Inf in rows \[3\] "
+        r"\(of 16\) at step 1",
+    ) as err:
         jaxcore.check_finite(state, ["['x']"])
     assert "learning rate)" in str(err.value) and "Fix:" in str(err.value)
 
