@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from jaxcore._errors import JaxCoreError
 from torchshell._errors import TorchModelError
 
 DATA_DEPENDENT = (
@@ -102,7 +103,10 @@ def is_raw(err: BaseException) -> bool:
     ``assert``, ``lax.cond``'s ``TypeError``), which a user must never see raw."""
     if isinstance(err, TorchModelError):
         return False
-    if type(err).__module__.startswith(("jax", "jaxlib", "torchax")):
+    if isinstance(err, JaxCoreError):  # coreshell's own (jaxcore's BatchError...): as it is
+        return False
+    root = type(err).__module__.split(".")[0]
+    if root in ("jax", "jaxlib", "torchax"):
         return True
     tb: types.TracebackType | None = err.__traceback__
     last = ""
