@@ -16,35 +16,11 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.torchshell.test_port import Recorder
 from torchshell import JaxModule
 from torchshell._errors import ConfigError
 
 N_BATCHES = 6
-
-
-class Rows(Logger):
-    """A real Lightning logger keeping every logged row."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "rows"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((int(step or 0), dict(metrics)))
-
-    def values(self, name: str) -> list[float]:
-        return [row[name] for _, row in self.rows if name in row]
 
 
 class GAN(L.LightningModule):
@@ -145,7 +121,7 @@ def _weights(module: nn.Module) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("kind", ["toggle", "plain", "sched-clip"])
 def test_gan_matches_lightning_step_for_step(kind: str, tmp_path: Path) -> None:
     plain, ported = GAN(kind), GAN(kind)
-    rows_plain, rows_ported = Rows(), Rows()
+    rows_plain, rows_ported = Recorder(), Recorder()
     t_plain = _trainer(tmp_path / "plain", rows_plain)
     t_plain.fit(plain, _loader())
     t_ported = _trainer(tmp_path / "ported", rows_ported)
@@ -153,7 +129,7 @@ def test_gan_matches_lightning_step_for_step(kind: str, tmp_path: Path) -> None:
     # two optimizers stepped per batch: global_step counts both, as in Lightning
     assert t_plain.global_step == t_ported.global_step == 2 * N_BATCHES
     for name in ("g_loss", "d_loss"):
-        ours, theirs = rows_ported.values(name), rows_plain.values(name)
+        ours, theirs = rows_ported.series(name), rows_plain.series(name)
         assert len(ours) == len(theirs) == N_BATCHES, (name, len(ours), len(theirs))
         np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-6)
     start = _weights(GAN(kind))
@@ -180,7 +156,7 @@ def test_stepping_on_batch_idx_is_refused_before_training(tmp_path: Path) -> Non
     module = EveryN()
     before = copy.deepcopy(_weights(module))
     with pytest.raises(ConfigError, match=r"batch_idx.*accumulate_grad_batches"):
-        _trainer(tmp_path, Rows()).fit(JaxModule.from_lightning(module), _loader())
+        _trainer(tmp_path, Recorder()).fit(JaxModule.from_lightning(module), _loader())
     after = _weights(module)
     assert all(np.array_equal(before[k], after[k]) for k in before)
 
@@ -204,9 +180,9 @@ def _close(ours: Any, theirs: Any, where: str) -> None:
 
 def test_checkpoint_holds_every_optimizer_and_scheduler_as_lightning(tmp_path: Path) -> None:
     plain, ported = GAN("sched-clip"), GAN("sched-clip")
-    t_plain = _trainer(tmp_path / "plain", Rows())
+    t_plain = _trainer(tmp_path / "plain", Recorder())
     t_plain.fit(plain, _loader())
-    t_ported = _trainer(tmp_path / "ported", Rows())
+    t_ported = _trainer(tmp_path / "ported", Recorder())
     t_ported.fit(JaxModule.from_lightning(ported), _loader())
     t_plain.save_checkpoint(tmp_path / "plain.ckpt")
     t_ported.save_checkpoint(tmp_path / "ported.ckpt")
@@ -217,7 +193,7 @@ def test_checkpoint_holds_every_optimizer_and_scheduler_as_lightning(tmp_path: P
     _close(ours["lr_schedulers"], theirs["lr_schedulers"], "lr_schedulers")
     # plain Lightning loads and resumes from it
     resumed = GAN.load_from_checkpoint(tmp_path / "ported.ckpt", kind="sched-clip")
-    trainer = _trainer(tmp_path / "resume", Rows(), max_epochs=2)
+    trainer = _trainer(tmp_path / "resume", Recorder(), max_epochs=2)
     trainer.fit(resumed, _loader(), ckpt_path=tmp_path / "ported.ckpt")
     assert trainer.global_step == 4 * N_BATCHES
 
@@ -241,12 +217,12 @@ class AfterBackward(GAN):
 
 def test_hooks_lightning_skips_under_manual_are_skipped_others_refused(tmp_path: Path) -> None:
     plain, ported = GAN("toggle"), WithHooks("toggle")
-    _trainer(tmp_path / "plain", Rows()).fit(plain, _loader())
-    _trainer(tmp_path / "ported", Rows()).fit(JaxModule.from_lightning(ported), _loader())
+    _trainer(tmp_path / "plain", Recorder()).fit(plain, _loader())
+    _trainer(tmp_path / "ported", Recorder()).fit(JaxModule.from_lightning(ported), _loader())
     reference, trained = _weights(plain), _weights(ported)
     for k, v in reference.items():
         np.testing.assert_allclose(trained[k], v, rtol=2e-5, atol=2e-6, err_msg=k)
     with pytest.raises(ConfigError, match=r"on_after_backward.*manual optimization.*Fix"):
-        _trainer(tmp_path / "refused", Rows()).fit(
+        _trainer(tmp_path / "refused", Recorder()).fit(
             JaxModule.from_lightning(AfterBackward()), _loader()
         )
