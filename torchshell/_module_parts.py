@@ -5,7 +5,8 @@
 - :class:`HandOverPart`: batches to JAX (named, padded with a mask, stacked for K steps or
   an accumulation window);
 - :class:`EvaluationPart`: exact masked validation/test means, and prediction;
-- :class:`CheckpointPart`: what a checkpoint holds of the JAX state, and restoring it.
+- :class:`~torchshell._checkpoint_part.CheckpointPart` (its own module): what a checkpoint
+  holds of the JAX state, and restoring it.
 
 They share the attributes :class:`~torchshell.module.JaxModule` sets in ``__init__``.
 """
@@ -26,14 +27,12 @@ import torch
 
 import bridge
 import jaxcore
-from torchshell import _state_io
 from torchshell._batches import check_fields, host_fields_out, name_batch, rows
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
 from torchshell._flax_checks import check_batch
 from torchshell._torch_static import specialise_batch
-from torchshell.checkpoint import restore_state
 
 Batch = Any
 
@@ -41,7 +40,7 @@ Batch = Any
 # step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
 _AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
-__all__ = ["CheckpointPart", "EvaluationPart", "HandOverPart", "TrainerFlagsPart"]
+__all__ = ["EvaluationPart", "HandOverPart", "TrainerFlagsPart"]
 
 
 class _Shared(L.LightningModule):
@@ -81,6 +80,14 @@ class _Shared(L.LightningModule):
     _fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
     _quiet: contextlib.ExitStack | None
     _masks: dict[int, jax.Array]
+    _window: list[Any]  # batches of the current accumulation window
+    _micro_rows: list[int]
+    _weigh_rows: bool
+    _float_fields: list[str] | None
+    _last_metrics: dict[str, jax.Array]
+    _pending: Any
+    compile_stats: Any
+    train_log: Any
     # methods another part (or JaxModule) defines
     optimizer: Callable[[], optax.GradientTransformation]
     init_state: Callable[[Any], Any]
@@ -93,6 +100,7 @@ class _Shared(L.LightningModule):
     _outputs_wanted: Callable[[], bool]
     _outputs_ahead: Callable[[Any, int, Any], dict[str, Any] | None]
     _step_forward: Callable[[Any, int], tuple[Any, jax.Array]]
+    _sample: Callable[[Any], Any]
 
 
 class TrainerFlagsPart(_Shared):
@@ -265,6 +273,17 @@ class HandOverPart(_Shared):
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
         return bridge.to_jax(stacked, self.window_sharding, stats=self.transfer_stats)
 
+    def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
+        """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
+        self._window.append(batch)
+        m = self.flags.accumulate
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if len(self._window) < m and not last:
+            return None
+        window, self._window = self._window, []
+        self._micro_rows = [self._global_rows(b) for b in window]
+        return self._stack(window), window[0], self._global_rows(window[0]), len(window)
+
     def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
         """``(jax batch, one step's torch batch, rows per step)`` for K steps per call."""
         k = self.steps_per_call
@@ -353,91 +372,3 @@ class EvaluationPart(_Shared):
         n = rows(batch)
         outputs = self._predict_step(state, self._static(self._to_jax(batch), False))
         return bridge.to_torch(outputs)[:n]
-
-
-class CheckpointPart(_Shared):
-    def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
-
-        For a Flax model the params and model state (e.g. ``batch_stats``; an NNX module's
-        ``BatchStat`` variables) go through :func:`bridge.export_state_dict`; for
-        :meth:`from_torch` modules they already are one.
-        """
-        if self.state is None:
-            raise ConfigError("No trained state yet: run trainer.fit first.")
-        if self.torch_module is not None:
-            from torchshell.torch_model import params_to_state_dict
-
-            return params_to_state_dict(
-                self.state.params, self.state.model_state, self.torch_module
-            )
-        state = self.state.model_state
-        if getattr(self, "nnx_model", False):  # an NNX module's other variables: BatchStat
-            state = {"batch_stats": state} if state else {}
-        return bridge.export_state_dict({"params": self.state.params, **state}, twin)
-
-    def on_fit_start(self) -> None:
-        """A new ``fit`` of a trained module (not a resume) starts a new optimizer.
-
-        As in Lightning, which calls ``configure_optimizers`` at every ``fit``: the weights
-        carry over, the optimizer state (momentum, Adam moments) and the schedule's step do
-        not (:func:`jaxcore.restart_optimizer`). ``fit(ckpt_path=...)`` restores them instead.
-        """
-        if self.state is not None and self.trainer.ckpt_path is None:
-            self.state = jaxcore.restart_optimizer(self.state, self.optimizer())
-
-    def on_fit_end(self) -> None:
-        """A ``from_torch``/``from_lightning`` module holds the trained weights after ``fit``.
-
-        (``net(x)`` or ``torch.save(net.state_dict())`` after ``trainer.fit`` is what a team
-        does next; the parameters are updated in place, so references to them stay.)
-        """
-        pending = self._restore_dir is not None or self._restore_tensors is not None
-        if self.state is None and pending:  # resumed at the end: no step left to run
-            self._restore_without_steps()
-        self._sync_user_weights()
-
-    def _sync_user_weights(self) -> None:
-        """The trained weights into the user's torch module, in place (once per state)."""
-        module = self.torch_module
-        if module is not None and self.state is not None and self._synced is not self.state:
-            with torch.no_grad():
-                module.load_state_dict(self.torch_state_dict(), strict=True)
-            self._synced = self.state
-
-    def _restore_without_steps(self) -> None:
-        """Builds the restored state from one training batch's shapes (nothing trains)."""
-        loader = self.trainer.train_dataloader
-        if loader is None:
-            return
-        batch = self._prepare(next(iter(loader)))
-        one = batch if self.flags.accumulate > 1 else self._one_step_view(batch)[1]
-        self.init_state(one)
-
-    # -- checkpoints (directories: torchshell.checkpoint.OrbaxCheckpointIO) -----------------
-    def restore_from(self, directory: Path) -> None:
-        """Restores the JAX state from an Orbax directory when the state is (re)built."""
-        if self.state is not None:
-            self.state = restore_state(directory, self.state)
-        else:
-            self._restore_dir = directory
-
-    def _orbax_io(self) -> bool:
-        from torchshell.checkpoint import OrbaxCheckpointIO
-
-        io = getattr(self.trainer.strategy, "checkpoint_io", None)
-        return isinstance(io, OrbaxCheckpointIO)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        _state_io.save_rng(checkpoint)
-        if self.state is not None and not self._orbax_io():  # a plain Lightning file
-            checkpoint[_state_io.STATE_KEY] = _state_io.state_to_tensors(self.state)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        _state_io.load_rng(checkpoint)
-        tensors = checkpoint.get(_state_io.STATE_KEY)
-        if tensors is not None:
-            if self.state is not None:
-                self.state = _state_io.state_from_tensors(tensors, self.state)
-            else:
-                self._restore_tensors = tensors

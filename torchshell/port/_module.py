@@ -44,12 +44,13 @@ from torchshell._batches import (
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
+from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._manual_parts import ManualParts
 from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._optim_rules import TorchOptState
 from torchshell.port._optim_state import state_from_torch, state_to_torch
 from torchshell.port._sched import parse_configure_optimizers
-from torchshell.port._trace import GRADS_HOOKS, LightningPort, host_tensors
+from torchshell.port._trace import LightningPort
 from torchshell.port._user import UserEvaluation, UserMetrics
 from torchshell.port._weights import synced_on_read
 

@@ -25,7 +25,7 @@ from jaxcore import MICRO, TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._batches import host_fields_back, host_fields_out
 from torchshell._errors import ConfigError
-from torchshell.port._trace import (
+from torchshell.port._logs import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,
     GRADS_HOOK,

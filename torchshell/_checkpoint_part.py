@@ -1,0 +1,107 @@
+"""The part of :class:`~torchshell.module.JaxModule` that hands the JAX state to checkpoints
+and back, and the trained weights to the user's torch module (see
+:mod:`torchshell._module_parts` for the other parts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bridge
+import jaxcore
+from torchshell import _state_io
+from torchshell._errors import ConfigError
+from torchshell._module_parts import _Shared
+from torchshell.checkpoint import restore_state
+
+__all__ = ["CheckpointPart"]
+
+
+class CheckpointPart(_Shared):
+    def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
+
+        For a Flax model the params and model state (e.g. ``batch_stats``; an NNX module's
+        ``BatchStat`` variables) go through :func:`bridge.export_state_dict`; for
+        :meth:`from_torch` modules they already are one.
+        """
+        if self.state is None:
+            raise ConfigError("No trained state yet: run trainer.fit first.")
+        if self.torch_module is not None:
+            from torchshell.torch_model import params_to_state_dict
+
+            return params_to_state_dict(
+                self.state.params, self.state.model_state, self.torch_module
+            )
+        state = self.state.model_state
+        if getattr(self, "nnx_model", False):  # an NNX module's other variables: BatchStat
+            state = {"batch_stats": state} if state else {}
+        return bridge.export_state_dict({"params": self.state.params, **state}, twin)
+
+    def on_fit_start(self) -> None:
+        """A new ``fit`` of a trained module (not a resume) starts a new optimizer.
+
+        As in Lightning, which calls ``configure_optimizers`` at every ``fit``: the weights
+        carry over, the optimizer state (momentum, Adam moments) and the schedule's step do
+        not (:func:`jaxcore.restart_optimizer`). ``fit(ckpt_path=...)`` restores them instead.
+        """
+        if self.state is not None and self.trainer.ckpt_path is None:
+            self.state = jaxcore.restart_optimizer(self.state, self.optimizer())
+
+    def on_fit_end(self) -> None:
+        """A ``from_torch``/``from_lightning`` module holds the trained weights after ``fit``.
+
+        (``net(x)`` or ``torch.save(net.state_dict())`` after ``trainer.fit`` is what a team
+        does next; the parameters are updated in place, so references to them stay.)
+        """
+        pending = self._restore_dir is not None or self._restore_tensors is not None
+        if self.state is None and pending:  # resumed at the end: no step left to run
+            self._restore_without_steps()
+        self._sync_user_weights()
+
+    def _sync_user_weights(self) -> None:
+        """The trained weights into the user's torch module, in place (once per state)."""
+        module = self.torch_module
+        if module is not None and self.state is not None and self._synced is not self.state:
+            with torch.no_grad():
+                module.load_state_dict(self.torch_state_dict(), strict=True)
+            self._synced = self.state
+
+    def _restore_without_steps(self) -> None:
+        """Builds the restored state from one training batch's shapes (nothing trains)."""
+        loader = self.trainer.train_dataloader
+        if loader is None:
+            return
+        batch = self._prepare(next(iter(loader)))
+        one = batch if self.flags.accumulate > 1 else self._one_step_view(batch)[1]
+        self.init_state(one)
+
+    # -- checkpoints (directories: torchshell.checkpoint.OrbaxCheckpointIO) -----------------
+    def restore_from(self, directory: Path) -> None:
+        """Restores the JAX state from an Orbax directory when the state is (re)built."""
+        if self.state is not None:
+            self.state = restore_state(directory, self.state)
+        else:
+            self._restore_dir = directory
+
+    def _orbax_io(self) -> bool:
+        from torchshell.checkpoint import OrbaxCheckpointIO
+
+        io = getattr(self.trainer.strategy, "checkpoint_io", None)
+        return isinstance(io, OrbaxCheckpointIO)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        _state_io.save_rng(checkpoint)
+        if self.state is not None and not self._orbax_io():  # a plain Lightning file
+            checkpoint[_state_io.STATE_KEY] = _state_io.state_to_tensors(self.state)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        _state_io.load_rng(checkpoint)
+        tensors = checkpoint.get(_state_io.STATE_KEY)
+        if tensors is not None:
+            if self.state is not None:
+                self.state = _state_io.state_from_tensors(tensors, self.state)
+            else:
+                self._restore_tensors = tensors

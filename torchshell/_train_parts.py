@@ -1,0 +1,226 @@
+"""Two parts of :class:`~torchshell.module.JaxModule`'s training (see
+:mod:`torchshell._module_parts` for the others):
+
+- :class:`StepPart`: the compiled train step it builds (K steps per call, accumulation
+  windows, the NaN guard), compiled beside the state's init on the first batch;
+- :class:`TrainLogPart`: what a training step gives back to Lightning: the values logged at
+  the logging cadence (to the loggers, ``callback_metrics`` and the progress bar), the
+  outputs a user callback reads, and the NaN/Inf check read at those syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+import jaxcore
+from torchshell._batches import MicroBatches
+from torchshell._module_parts import _Shared
+from torchshell._train_log import find_lrs, fresh
+
+__all__ = ["StepPart", "TrainLogPart"]
+
+
+class StepPart(_Shared):
+    def _make_train_step(
+        self, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
+    ) -> jaxcore.Step:
+        """The train step for ``state`` (the state, or its abstract twin while it inits)."""
+        window = self.flags.accumulate > 1
+        return jaxcore.make_train_step(
+            self.model_fns,
+            self.loss_fn,
+            self.optimizer(),
+            state_sharding=jaxcore.state_shardings(state),
+            batch_sharding=None,  # the arrays' own (placed by the bridge)
+            steps_per_call=1 if window else self.steps_per_call,
+            accum_steps=micro if window else self.accum_steps,
+            stacked_micro=window,
+            grad_scale=grad_scale,
+            compute_dtype=self._compute_dtype,
+            nan_policy=self.nan_policy,
+            weigh_rows=self._weigh_rows,
+            unrolled_micro=ragged,
+            per_micro=window and not self._weigh_rows,  # Lightning's per-batch self.log
+            grads_fn=self._grads_fn(),
+        )
+
+    def _grads_fn(self) -> Any:
+        """What runs on the step's gradients before the optimizer (``make_train_step``)."""
+        return None
+
+    def _step_forward(self, batch: Any, i: int) -> tuple[Any, jax.Array]:
+        """The next train step's forward pass on ``batch`` (its micro-batch ``i``) alone."""
+        if self._train_forward is None:
+            self._train_forward = jaxcore.make_train_forward(
+                self.model_fns,
+                self.loss_fn,
+                micro=self.flags.accumulate > 1,
+                compute_dtype=self._compute_dtype,
+                weigh_rows=self._weigh_rows,
+            )
+        state = self.init_state(batch)
+        return self._train_forward(state, self._sample(batch), np.int32(i))  # type: ignore[no-any-return]
+
+    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
+        """The compiled step for this call (a short or ragged accumulation window has its
+        own)."""
+        m = self.flags.accumulate
+        ragged = isinstance(jbatch, MicroBatches)
+        if m > 1 and (micro < m or ragged):
+            if (micro, ragged) not in self._short_steps:
+                self._short_steps[micro, ragged] = self._make_train_step(
+                    micro, self.state, grad_scale=micro / m, ragged=ragged
+                )
+            return self._short_steps[micro, ragged]
+        if self._train_step is None:
+            self._compile_train_step(micro, self.state, jbatch)
+        assert self._train_step is not None
+        return self._train_step
+
+    def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
+        """Builds and AOT-compiles the train step; its statistics are logged after the first
+        call is dispatched (their cost analysis is not on the way to the first step)."""
+        self._train_step = self._make_train_step(micro, state)
+        self.compile_stats = self._train_step.compile(state, jbatch, dump_dir=self.hlo_dump_dir)
+        self.__dict__["_stats_due"] = True
+
+    def _compile_beside_init(self, one: Any, micro: int, jbatch: Any) -> None:
+        """The first batch: the state's init program compiles in the background while the
+        train step is traced and compiled on the state's shapes (``jaxcore.PendingState``);
+        with a warm compile cache the two executables load side by side."""
+        self._pending = self._start_state(one)
+        self._compile_train_step(micro, self._pending.abstract, jbatch)
+
+    def _start_state(self, batch: Any) -> jaxcore.PendingState:
+        """The state's init, compiling (``jaxcore.start_train_state``)."""
+        return jaxcore.start_train_state(
+            self.model_fns,
+            self.optimizer(),
+            self._sample(batch),
+            seed=self.seed,
+            mesh=self.mesh,
+            param_shardings=self.shard_fn,
+        )
+
+
+class TrainLogPart(_Shared):
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.train_log.batch_started()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.train_log.batch_ended()
+
+    def _outputs_wanted(self) -> bool:
+        """A user callback overrides ``on_train_batch_end``: it may read ``outputs["loss"]``.
+
+        (Lightning's and coreshell's own callbacks never read the outputs.)
+        """
+        if self._trainer is None:
+            return False
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
+        key = (id(self._trainer), len(callbacks))
+        if self.__dict__.get("_wants_outputs", (None,))[0] != key:  # once per fit, not step
+            wanted = any(
+                not type(cb).__module__.startswith(("lightning.", "torchshell."))
+                and is_overridden("on_train_batch_end", cb, parent=L.Callback)
+                for cb in callbacks
+            )
+            self.__dict__["_wants_outputs"] = (key, wanted)
+        return bool(self.__dict__["_wants_outputs"][1])
+
+    def _outputs(self, metrics: Mapping[str, jax.Array] | None) -> dict[str, torch.Tensor] | None:
+        if metrics is None or not self._outputs_wanted():
+            return None
+        return {"loss": torch.tensor(float(np.ravel(jax.device_get(metrics["loss"]))[-1]))}
+
+    def _outputs_ahead(self, batch: Any, i: int, raw: Any) -> dict[str, Any] | None:
+        """``on_train_batch_end``'s outputs computed before the step; ``None``: the step's.
+
+        ``batch`` is the prepared batch, ``raw`` the one the DataLoader made.
+
+        Under ``accumulate_grad_batches=m`` a batch's step runs when its window completes,
+        but Lightning gives each batch its own ``outputs["loss"]`` (its loss / m) at once:
+        when a callback reads them, the batch's forward pass runs alone first (micro-batch
+        ``i`` of the window: the window's params and random key, so the value is the one the
+        window's step computes).
+        """
+        m = self.flags.accumulate
+        if m == 1 or not self._outputs_wanted():
+            return None
+        _, loss = self._step_forward(batch, i)
+        return {"loss": torch.tensor(float(loss)) / m}
+
+    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
+        """Per-step work on device metrics (epoch aggregation in the Lightning port)."""
+
+    def _log_to_loggers(self, metrics: dict[str, float]) -> None:
+        if self._trainer is not None:
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=self.trainer.global_step)
+
+    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The on-device values of one logging step, under their logged names."""
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def _queue_log(self, metrics: dict[str, jax.Array], rows: int) -> None:
+        assert self.state is not None
+        extra: dict[str, Any] = dict(find_lrs(self.state.opt_state))
+        if self.nan_policy != "none":
+            extra["train/nonfinite_steps"] = self.state.nonfinite
+        values = {**self._train_values(metrics), **fresh(extra)}  # copies: state is donated
+        self.train_log.queue(values, rows, self.trainer.global_step)
+
+    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
+        """Logs one logging step's host values to loggers, callbacks and the progress bar."""
+        logs |= {f"bridge/{k}": v for k, v in self.transfer_stats.as_metrics().items()}
+        if self._train_step is not None:
+            logs["compile/recompiles"] = float(
+                self._train_step.recompiles + sum(s.compiles for s in self._short_steps.values())
+            )
+        if self._trainer is not None:
+            for logger in self.loggers:
+                logger.log_metrics(logs, step=step)
+        # Callbacks read trainer.callback_metrics; LightningModule.log costs ~0.8 ms a value
+        # (measured), so the values go there directly and only the loss through self.log.
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
+        if progress_bar:  # (not allowed in on_train_end)
+            self._progress(logs)
+        if logs.get("train/nonfinite_steps", 0.0):
+            self._check_finite()
+
+    def _progress(self, logs: dict[str, float]) -> None:
+        if "train/loss" in logs:
+            self.log("loss", logs["train/loss"], prog_bar=True, logger=False)
+        if "perf/samples_per_s" in logs:
+            self.log("samples/s", logs["perf/samples_per_s"], prog_bar=True, logger=False)
+
+    def _last_step_values(self) -> None:
+        """``callback_metrics`` end with the last step's values, as in plain Lightning.
+
+        Also when it was not a logging step (a run shorter than ``log_every_n_steps``): one
+        fetch per fit. Reading ``state`` first runs any buffered batches.
+        """
+        if self.state is None or not self._last_metrics:
+            return
+        last = jax.device_get(self._train_values(self._last_metrics))
+        self.trainer.callback_metrics.update(
+            {k: torch.tensor(float(np.ravel(v)[-1])) for k, v in last.items()}
+        )
+
+    def on_train_end(self) -> None:
+        self.train_log.finish()
+        self._last_step_values()
+        self._check_finite()
+
+    def _check_finite(self) -> None:
+        """Under ``nan_policy="stop"``: raises when the step refused an update, naming the
+        input field and rows when NaN/Inf came in with the batch (``jaxcore.check_finite``)."""
+        if self.state is not None and self.nan_policy == "stop":
+            jaxcore.check_finite(self.state, self._float_fields)
