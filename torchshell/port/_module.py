@@ -18,23 +18,17 @@ What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import lightning as L
-import numpy as np
 import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 import bridge
 import jaxcore
-from torchshell import _state_io
 from torchshell._batches import (
     MicroBatches,
     containers_as_nodes,
@@ -44,12 +38,11 @@ from torchshell._batches import (
 from torchshell._errors import ConfigError
 from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
+from torchshell.port._ckpt_part import PortCheckpointPart
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._manual_parts import ManualParts
-from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
-from torchshell.port._optim_rules import TorchOptState
-from torchshell.port._optim_state import state_from_torch, state_to_torch
-from torchshell.port._sched import parse_configure_optimizers
+from torchshell.port._optim import MappedOptimizer
+from torchshell.port._optim_part import PortOptimizerPart
 from torchshell.port._trace import LightningPort
 from torchshell.port._user import UserEvaluation, UserMetrics
 from torchshell.port._weights import synced_on_read
@@ -115,7 +108,9 @@ def _first_rows(tree: Any) -> int:
     return 0
 
 
-class LightningParts(ManualParts, UserMetrics, UserEvaluation, _Shared):
+class LightningParts(
+    PortOptimizerPart, PortCheckpointPart, ManualParts, UserMetrics, UserEvaluation, _Shared
+):
     """What :class:`~torchshell.module.LightningJaxModule` adds to a ``JaxModule``.
 
     A part, not a ``JaxModule`` itself (``torchshell.module`` builds the class from it, so
@@ -256,209 +251,6 @@ class LightningParts(ManualParts, UserMetrics, UserEvaluation, _Shared):
             self._sync_user_weights()
         return value
 
-    # -- optimizer ---------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        """The user's own optimizer and schedulers, handed to Lightning as plain objects.
-
-        Lightning never steps them (manual optimization): the JAX step applies the mapped
-        update, and their ``lr`` is kept equal to the JAX schedule for ``LearningRateMonitor``
-        (the schedulers' ``interval``/``frequency`` are set on Lightning's configs in
-        :meth:`on_fit_start`, which manual optimization would otherwise warn about).
-        """
-        if self.tx is not None:
-            return []
-        self._configured()
-        if self.manual:  # the user's own return: its training_step steps them (by hand)
-            return self._returned
-        optimizer, configs = parse_configure_optimizers(self._returned)
-        self._configs = configs
-        return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
-
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        if self.mapped is not None and self.trainer.ckpt_path is None:  # (plateau factors)
-            self._lr_scale = np.ones(len(self.mapped.groups), np.float32)
-        for mine, theirs in zip(self.trainer.lr_scheduler_configs, self._configs, strict=False):
-            mine.interval, mine.frequency, mine.name = (
-                theirs.interval,
-                theirs.frequency,
-                theirs.name,
-            )
-
-    def _configured(self) -> None:
-        """Calls the user's ``configure_optimizers`` once, keeping a pristine copy.
-
-        Lightning loads a checkpoint's optimizer and scheduler state into the returned
-        objects; the JAX schedule is indexed by the restored step count, so it is mapped
-        from the objects as they were before (the copy shares the module's parameters).
-        """
-        if self._returned is None:
-            self._returned = self._user_configure_optimizers()
-            shared = {id(p): p for p in self.port.module.parameters()}
-            self._pristine = copy.deepcopy(self._returned, shared)
-
-    def _user_configure_optimizers(self) -> Any:
-        """The user's ``configure_optimizers()``, with the Trainer attached and its own flags.
-
-        Modules size schedules from ``self.trainer.estimated_stepping_batches``, which reads
-        ``accumulate_grad_batches``: the user's value is put back for the call.
-        """
-        user, trainer = self.port.module, self._trainer
-        if trainer is None:
-            return user.configure_optimizers()
-        neutral = {k: getattr(trainer, k) for k in self._flag_originals or {}}
-        for k, v in (self._flag_originals or {}).items():
-            setattr(trainer, k, v)
-        user.trainer = trainer
-        try:
-            return user.configure_optimizers()
-        finally:
-            for k, v in neutral.items():
-                setattr(trainer, k, v)
-
-    def _map(self, *, provisional: bool) -> None:
-        self._configured()
-        if self.manual:
-            self._map_manual(provisional=provisional)
-            return
-        named = {
-            k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
-        }
-        trainer, m = self._trainer, self.flags.accumulate
-        batches = None if trainer is None or provisional else trainer.num_training_batches
-        if batches is None:  # before the loaders exist: the state's structure only
-            per_epoch, total = 1, 1
-        elif math.isinf(batches):  # an iterable loader: no epoch length
-            assert trainer is not None  # (batches came from it)
-            per_epoch, total = None, max(trainer.max_steps, 1)
-        else:
-            assert trainer is not None
-            per_epoch = math.ceil(int(batches) / m)
-            epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
-            total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
-        per_batches = None if batches is None or math.isinf(batches) else int(batches)
-        key = (per_epoch, max(int(total), 1), m, per_batches)
-        if key == self._map_key and self.mapped is not None:
-            return  # (a later fit of the same run: the compiled step stays valid)
-        self._map_key = key
-        self.mapped = map_configure_optimizers(
-            self._pristine,
-            named,
-            steps_per_epoch=per_epoch,
-            total_steps=key[1],
-            accumulate_grad_batches=m,
-            batches_per_epoch=per_batches,
-        )
-        self._train_step = None  # the tables are constants of the compiled step
-        self._short_steps = {}
-        self._lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
-
-    def optimizer(self) -> optax.GradientTransformation:
-        if self.manual and self.tx is None:
-            self._configured()
-            return self.manual_plan.tx()
-        if self.tx is None:
-            if self.mapped is None:
-                self._map(provisional=True)  # the state's structure; tables come at train start
-            assert self.mapped is not None
-            base = self.mapped.tx
-        else:
-            base = self.tx
-        if self.flags.clip_val is None:
-            return base
-        from torchshell._clip import torch_clip
-
-        only = None if self.mapped is None else self.mapped.param_names
-        return optax.chain(
-            torch_clip(self.flags.clip_val, self.flags.clip_algorithm, only=only), base
-        )
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if any(type(c).__name__ == "_LRCallback" for c in self.trainer.callbacks):
-            raise ConfigError(
-                "Lightning's learning-rate finder (Tuner.lr_find) sweeps the lr by swapping "
-                "the torch optimizer's scheduler during fit; the compiled step runs the optax "
-                "mapping of configure_optimizers() and would not follow it (a flat curve, a "
-                "meaningless suggestion). Fix: choose the lr with a few short fits at "
-                "different lr values, or run lr_find on the plain LightningModule."
-            )
-        if self.manual:
-            self._check_manual()
-        if self.tx is None:
-            self._map(provisional=False)
-            if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
-                print(f"coreshell: optimizer {self.mapped.description} (mapped onto optax)")
-
-    def _sync_torch_lr(self) -> None:
-        """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
-        if self.mapped is None or not self.trainer.optimizers:
-            return
-        optimizer = self.trainer.optimizers[0]
-        lrs = self._table_lrs(self.trainer.global_step)  # read on the host: no device work
-        for index in self.mapped.lr_group:
-            optimizer.param_groups[index]["lr"] = lrs[index] * float(self._lr_scale[index])
-
-    def _table_lrs(self, step: int) -> list[float]:
-        assert self.mapped is not None
-        lrs = []
-        for group in self.mapped.groups:
-            table = group.tables.get("lr")
-            lrs.append(
-                float(group.const["lr"] if table is None else table[min(step, len(table) - 1)])
-            )
-        return lrs
-
-    def _step_plateau(self) -> None:
-        """Steps the user's ``ReduceLROnPlateau`` schedulers as Lightning does at an epoch's end.
-
-        On the monitored value in ``callback_metrics`` (Lightning's ``strict`` rule when it
-        is missing), every ``frequency`` epochs; the lr each group reaches becomes the JAX
-        step's per-group factor on the tabulated lr (``TorchOptState.scale``, in the
-        checkpointed state). The scheduler is the user's own object, which Lightning
-        checkpoints and restores.
-        """
-        mapped = self.mapped
-        if mapped is None or not mapped.plateau or self.tx is not None or self.state is None:
-            return
-        optimizer = self.trainer.optimizers[0]
-        tables = self._table_lrs(self.trainer.global_step)
-        scale = _scale_of(self.state.opt_state)
-        for group, lr, factor in zip(optimizer.param_groups, tables, scale, strict=True):
-            if not math.isclose(group["lr"], lr * float(factor), rel_tol=1e-6):
-                group["lr"] = lr * float(factor)  # the lr the step uses now (float32 tables)
-        for index in mapped.plateau:
-            config = self._configs[index]
-            if (self.trainer.current_epoch + 1) % config.frequency:
-                continue
-            value = self.trainer.callback_metrics.get(config.monitor)
-            if value is None:
-                message = (
-                    f"ReduceLROnPlateau monitors {config.monitor!r}, which is not among the "
-                    f"logged values {sorted(self.trainer.callback_metrics)}"
-                )
-                if config.strict:
-                    raise ConfigError(
-                        f"{message}. Fix: log it (e.g. self.log({config.monitor!r}, ...) in "
-                        "validation_step), or set 'monitor' in the lr_scheduler dict to one of "
-                        "those."
-                    )
-                warnings.warn(
-                    f"{message}; strict=False: the lr is not updated.", RuntimeWarning, stacklevel=2
-                )
-                continue
-            config.scheduler.step(value)
-        new = np.asarray(
-            [
-                g["lr"] / lr if lr else 1.0
-                for g, lr in zip(optimizer.param_groups, tables, strict=True)
-            ],
-            np.float32,
-        )
-        self._lr_scale = new
-        if not np.array_equal(new, scale):
-            self.state = self.state.replace(opt_state=_with_scale(self.state.opt_state, new))
-
     def _outputs_wanted(self) -> bool:
         """Also when the user's module overrides ``on_train_batch_end`` itself."""
         return self.port.overrides("on_train_batch_end") or super()._outputs_wanted()
@@ -579,116 +371,3 @@ class LightningParts(ManualParts, UserMetrics, UserEvaluation, _Shared):
             self.state = self._with_weights(state, self._restore_weights)
             self._restore_weights = None
         return self.state
-
-    def _with_weights(self, state: Any, sd: Mapping[str, torch.Tensor]) -> Any:
-        """The state with a plain Lightning checkpoint's weights (and optimizer state)."""
-
-        def put(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
-            return {
-                k: jax.device_put(bridge.as_jax(sd[k], name=k).astype(v.dtype), v.sharding)
-                for k, v in tree.items()
-            }
-
-        state = state.replace(params=put(state.params), model_state=put(state.model_state))
-        torch_opt, self._restore_optim = self._restore_optim, None
-        if self.manual and torch_opt is not None and self.tx is None:  # (the whole .ckpt)
-            return self._manual_restore(state, torch_opt)
-        if torch_opt is None or self.mapped is None or self.tx is not None:
-            print(
-                "coreshell: starting from the checkpoint's weights; it holds no optimizer state "
-                "this run can map, so the JAX optimizer starts fresh."
-            )
-            return state
-        step = int(self._restore_step)
-        mapped_state = state_from_torch(self.mapped, torch_opt, state.params, step=step)
-        opt_state = state.opt_state
-        if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):  # (clip, tx)
-            opt_state = (opt_state[0], mapped_state)
-        else:
-            opt_state = mapped_state
-        shardings = jax.tree.map(lambda x: x.sharding, state.opt_state)
-        return state.replace(
-            opt_state=jax.device_put(opt_state, shardings),
-            step=jax.device_put(jnp.asarray(step, state.step.dtype), state.step.sharding),
-        )
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Takes the user's ``state_dict`` (a plain Lightning checkpoint of the same module)."""
-        expected = set(self.port.module.state_dict())
-        got = set(state_dict)
-        if strict and got != expected:
-            raise ConfigError(
-                f"The checkpoint's state_dict does not match {type(self.port.module).__name__}:"
-                f" missing {sorted(expected - got)[:5]}, unexpected {sorted(got - expected)[:5]}."
-                " Fix: resume from a checkpoint of the same module class and hyperparameters."
-            )
-        if self.state is not None:
-            if self._restore_tensors is None:
-                self.state = self._with_weights(self.state, state_dict)
-        elif self._restore_tensors is None:
-            self._restore_weights = dict(state_dict)
-        return torch.nn.modules.module._IncompatibleKeys([], [])
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        user = self.port.module
-        if self.state is None:  # before the first step (Lightning's tuner saves one): as built
-            checkpoint["state_dict"] = user.state_dict()
-        else:
-            checkpoint["state_dict"] = self.torch_state_dict()
-            if self.manual and self.tx is None:
-                self._manual_checkpoint(checkpoint)
-            elif self.mapped is not None and self.tx is None:  # plain Lightning resumes from it
-                opt_state = self.state.opt_state
-                if self.flags.clip_val is not None:
-                    opt_state = opt_state[1]
-                optimizer, schedulers = state_to_torch(self.mapped, opt_state)
-                for index in self.mapped.plateau:  # stepped on the host: the live objects'
-                    schedulers[index] = self._configs[index].scheduler.state_dict()
-                    live = self.trainer.optimizers[0].param_groups  # (exact, not float32)
-                    for group, now in zip(optimizer["param_groups"], live, strict=True):
-                        group["lr"] = now["lr"]
-                checkpoint["optimizer_states"] = [optimizer]
-                checkpoint["lr_schedulers"] = schedulers
-        if user.hparams:
-            checkpoint["hyper_parameters"] = dict(user.hparams)
-            name = getattr(user, "_hparams_name", None)
-            if name:
-                checkpoint["hparams_name"] = name
-        user.on_save_checkpoint(checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        self.port.module.on_load_checkpoint(checkpoint)
-        loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        auto = loop.get("epoch_loop.automatic_optimization.optim_progress", {})
-        manual = loop.get("epoch_loop.manual_optimization.optim_step_progress")
-        steps = auto.get("optimizer", {}).get("step")
-        if steps and manual is not None and not manual["total"]["completed"]:
-            # a plain Lightning run counted its optimizer steps under automatic optimization
-            loop["epoch_loop.manual_optimization.optim_step_progress"] = steps
-        if _state_io.STATE_KEY not in checkpoint and checkpoint.get("optimizer_states"):
-            self._restore_optim = checkpoint if self.manual else checkpoint["optimizer_states"][0]
-            self._restore_step = int(checkpoint.get("global_step", 0))
-
-
-def _scale_of(opt_state: Any) -> np.ndarray:
-    """The mapped optimizer's per-group lr factor (host copy) from a (chained) optax state."""
-    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchOptState)):
-        if isinstance(node, TorchOptState) and node.scale is not None:
-            return np.asarray(node.scale)
-    raise ValueError("no TorchOptState with a scale in the optimizer state")
-
-
-def _with_scale(opt_state: Any, scale: np.ndarray) -> Any:
-    """``opt_state`` with the mapped optimizer's per-group lr factor replaced (same sharding)."""
-
-    def put(node: Any) -> Any:
-        if isinstance(node, TorchOptState) and node.scale is not None:
-            value = jax.device_put(jnp.asarray(scale, jnp.float32), node.scale.sharding)
-            return node._replace(scale=value)
-        return node
-
-    return jax.tree.map(put, opt_state, is_leaf=lambda x: isinstance(x, TorchOptState))

@@ -10,10 +10,8 @@ call made while tracing: the values come back as JAX scalars (on device), the op
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,39 +19,28 @@ import jax.numpy as jnp
 import lightning as L
 import numpy as np
 import torch
-from torchmetrics import Metric
 
 from jaxcore import TOTAL, ModelFns
 from torchshell import trace as patterns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell._torch_static import STATIC_KEY, check_static_reads
+from torchshell.port._capture import LogCapture
 from torchshell.port._logs import (
     _MAX_STATIC,
-    _METRIC_HOOKS,
-    _METRIC_METHODS,
     APPENDED_KEY,
     BATCH_SIZE_KEY,
     GRADS_HOOK,
-    GRADS_HOOKS,
     HOOKS,
     METRIC_KEY,
     USER_KEY,
     LogSpec,
     MetricCall,
-    _counting_class,
     _lists,
-    _nan_check_traced,
-    _path_of,
-    _ReadNoted,
-    _reduce_name,
-    _state_reductions,
     _take_appended,
-    _warn_at,
     hook_key,
 )
 from torchshell.torch_model import TorchTracer
-from torchshell.trace import TracedScalar
 
 __all__ = ["LightningPort"]
 
@@ -61,7 +48,7 @@ __all__ = ["LightningPort"]
 PyTree = Any
 
 
-class LightningPort:
+class LightningPort(LogCapture):
     """The traced step methods of one ``LightningModule``.
 
     Args:
@@ -107,214 +94,6 @@ class LightningPort:
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
         return is_overridden(hook, self.module, parent=L.LightningModule)
-
-    @contextlib.contextmanager
-    def _capture(
-        self,
-        hook: str,
-        records: list[tuple[LogSpec, Any]],
-        calls: list[tuple[MetricCall, dict[str, Any]]],
-    ) -> Iterator[None]:
-        on_step_default, on_epoch_default = HOOKS[hook]
-        cached: dict[str, Any] = {}  # metric path -> its traced batch value (forward)
-
-        def log(
-            name: str,
-            value: Any,
-            prog_bar: bool = False,
-            logger: bool | None = None,
-            on_step: bool | None = None,
-            on_epoch: bool | None = None,
-            reduce_fx: Any = "mean",
-            enable_graph: bool = False,
-            sync_dist: bool = False,
-            sync_dist_group: Any = None,
-            add_dataloader_idx: bool = True,
-            batch_size: int | None = None,
-            metric_attribute: str | None = None,
-            rank_zero_only: bool = False,
-        ) -> None:
-            metric = None
-            if isinstance(value, TracedScalar):  # ``loss.item()``: the traced value itself
-                value = value.x
-            elif isinstance(value, np.number | np.ndarray) and np.size(value) == 1:
-                value = float(value)
-            if isinstance(value, Metric) and hook in _METRIC_HOOKS:
-                metric = _path_of(self.module, value)
-                value = cached.get(metric, 0.0)  # its batch value (forward), as Lightning logs
-            elif isinstance(value, Mapping) or not isinstance(
-                value, (torch.Tensor, jax.Array, int, float)
-            ):
-                raise ConfigError(
-                    f"self.log({name!r}, ...) in {hook} got a {type(value).__name__}: a "
-                    "traced step logs tensors or numbers (torchmetrics objects keep state "
-                    "outside the step). Fix: log metric.compute() values from a torch "
-                    "function of the batch, or a tensor."
-                )
-            spec = LogSpec(
-                name=name,
-                prog_bar=bool(prog_bar),
-                logger=logger,
-                on_step=on_step_default if on_step is None else bool(on_step),
-                on_epoch=on_epoch_default if on_epoch is None else bool(on_epoch),
-                reduce_fx=_reduce_name(reduce_fx),
-                batch_size=batch_size,
-                metric=metric,
-                add_dataloader_idx=bool(add_dataloader_idx),
-            )
-            records.append((spec, value))
-
-        self.module.log = log  # type: ignore[method-assign]  # an instance attribute
-        device = self.module._device
-        self.module._device = torch.device("jax")  # tensors made on self.device are traced
-        if hook in _METRIC_HOOKS:
-            metrics = self._traced_metrics(hook, calls, cached)
-        else:
-            metrics = self._refuse_metrics(hook)
-        user_class = type(self.module)
-        read: set[str] = set()
-        self.module.__class__ = _counting_class(user_class, read)
-        groups = self._watch_lr(read) if hook in ("training_step", *GRADS_HOOKS) else []
-        try:
-            yield
-        finally:
-            for owner, index, value in groups:  # the optimizers' own param groups back
-                if value is None:
-                    del owner[index]  # (an instance attribute that was not there)
-                else:
-                    owner[index] = value
-            self.module.__class__ = user_class
-            del self.module.log
-            self.module._device = device
-            for metric, before in metrics:
-                for method in _METRIC_METHODS:
-                    metric.__dict__.pop(method, None)
-                metric.__dict__.update(before)  # torchmetrics' own wrapped update/compute
-        for name in sorted(read):
-            if (hook, name) not in self._warned:
-                self._warned.add((hook, name))
-                _warn_at(getattr(user_class, hook), f"{user_class.__name__}.{hook}", name)
-
-    def _watch_lr(self, read: set[str]) -> list[tuple[list[Any], int, dict[str, Any]]]:
-        """The Trainer's optimizers' param groups, swapped for dicts that note an ``lr`` read.
-
-        (``self.optimizers().param_groups[0]["lr"]`` logged from a step is a constant of the
-        trace.) Returns what to put back.
-        """
-        trainer = getattr(self.module, "_trainer", None)
-        swapped: list[tuple[Any, Any, Any]] = []
-        for optimizer in getattr(trainer, "optimizers", None) or []:
-            groups = optimizer.param_groups
-            for index, group in enumerate(groups):
-                swapped.append((groups, index, group))
-                groups[index] = _ReadNoted(group, read)
-        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
-            scheduler = config.scheduler  # get_last_lr() of self.lr_schedulers()
-            own = scheduler.__dict__.get("get_last_lr")
-
-            def noted(_f: Any = scheduler.get_last_lr) -> Any:
-                read.add("lr")
-                return _f()
-
-            swapped.append((scheduler.__dict__, "get_last_lr", own))
-            scheduler.__dict__["get_last_lr"] = noted
-        return swapped
-
-    def _traced_metrics(
-        self,
-        hook: str,
-        calls: list[tuple[MetricCall, dict[str, Any]]],
-        cached: dict[str, Any],
-    ) -> list[tuple[Metric, dict[str, Any]]]:
-        """The module's torchmetrics objects, run on the traced batch alone.
-
-        ``forward``/``update`` compute the metric's states on this batch (from its defaults,
-        with its own update code) and, for ``forward``, the batch value (its own compute);
-        the states are recorded for the host (:func:`add_metric_states`) and the metric's
-        own states are left as they were. ``compute`` inside the step is refused (it would
-        read the states of other batches).
-        """
-        patched = []
-        for path, metric in self.module.named_modules():
-            if not isinstance(metric, Metric):
-                continue
-            before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
-            patched.append((metric, before))
-            states = _state_reductions(metric)
-            if states is None:
-                why = "its state is a list (all predictions, e.g. AUROC), which grows with data"
-                metric.__dict__.update(
-                    dict.fromkeys(_METRIC_METHODS, self._refusal(hook, path, why))
-                )
-                continue
-
-            def run(
-                *args: Any,
-                _p: str = path,
-                _m: Metric = metric,
-                _s: Any = states,
-                _f: bool = True,
-                **kw: Any,
-            ) -> Any:
-                own = {name: getattr(_m, name) for name, _ in _s}
-                for name, _ in _s:
-                    default: Any = _m._defaults[name]  # (a tensor: _state_reductions)
-                    setattr(_m, name, default.detach().clone().to(self.module._device))
-                try:
-                    type(_m).update(_m, *args, **kw)
-                    batch = {name: getattr(_m, name) for name, _ in _s}
-                    if _f:
-                        batch["value"] = cached[_p] = type(_m).compute(_m)
-                finally:
-                    for name, value in own.items():
-                        setattr(_m, name, value)
-                calls.append((MetricCall(_p, _f, _s), batch))
-                return batch.get("value")
-
-            if hasattr(metric, "_cast_and_nan_check_input"):  # MeanMetric, SumMetric...
-                metric.__dict__["_cast_and_nan_check_input"] = functools.partial(
-                    _nan_check_traced, metric
-                )
-            metric.__dict__["forward"] = run
-            metric.__dict__["update"] = functools.partial(run, _f=False)
-            why = "compute() there would read other batches' states (call it in an epoch hook)"
-            metric.__dict__["compute"] = self._refusal(hook, path, why)
-        return patched
-
-    def _refusal(self, hook: str, path: str, why: str) -> Any:
-        owner = type(self.module).__name__
-        metric = self.module.get_submodule(path)
-
-        def refuse(*args: Any, **kw: Any) -> Any:
-            raise ConfigError(
-                f"{owner}.{hook} runs the torchmetrics metric self.{path} "
-                f"({type(metric).__name__}) in a compiled step: {why}. Fix: log a "
-                "torchmetrics.functional value (accuracy(preds, y, task='multiclass', "
-                "num_classes=C)) or a torch expression of the batch, with on_epoch=True for the "
-                "epoch's mean, or run the metric on the host on predict_step's outputs."
-            )
-
-        return refuse
-
-    def _refuse_metrics(self, hook: str) -> list[tuple[Metric, dict[str, Any]]]:
-        """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
-
-        ``predict_step`` returns outputs, it logs nothing: run the metric on them on the host.
-        """
-        why = (
-            "predict_step logs nothing; a metric there has no epoch to report to"
-            if hook == "predict_step"
-            else "it runs on the gradients, once per optimizer step; log tensors there"
-        )
-        metrics = []
-        for path, metric in self.module.named_modules():
-            if isinstance(metric, Metric):
-                before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
-                metric.__dict__.update(
-                    dict.fromkeys(_METRIC_METHODS, self._refusal(hook, path, why))
-                )
-                metrics.append((metric, before))
-        return metrics
 
     def call(
         self,

@@ -1,0 +1,249 @@
+"""The port's optimizer: the user's ``configure_optimizers`` mapped onto optax (see
+:mod:`torchshell.port._optim`), its schedulers' learning rates kept in step with the torch
+optimizers, ``ReduceLROnPlateau`` stepped on the monitored value (a part of
+:class:`~torchshell.port._module.LightningParts`)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from torchshell._errors import ConfigError
+from torchshell._module_parts import _Shared
+from torchshell.port._optim import map_configure_optimizers
+from torchshell.port._optim_rules import TorchOptState
+from torchshell.port._sched import parse_configure_optimizers
+
+__all__ = ["PortOptimizerPart"]
+
+
+class PortOptimizerPart(_Shared):
+    # -- optimizer ---------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        """The user's own optimizer and schedulers, handed to Lightning as plain objects.
+
+        Lightning never steps them (manual optimization): the JAX step applies the mapped
+        update, and their ``lr`` is kept equal to the JAX schedule for ``LearningRateMonitor``
+        (the schedulers' ``interval``/``frequency`` are set on Lightning's configs in
+        :meth:`on_fit_start`, which manual optimization would otherwise warn about).
+        """
+        if self.tx is not None:
+            return []
+        self._configured()
+        if self.manual:  # the user's own return: its training_step steps them (by hand)
+            return self._returned
+        optimizer, configs = parse_configure_optimizers(self._returned)
+        self._configs = configs
+        return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.mapped is not None and self.trainer.ckpt_path is None:  # (plateau factors)
+            self._lr_scale = np.ones(len(self.mapped.groups), np.float32)
+        for mine, theirs in zip(self.trainer.lr_scheduler_configs, self._configs, strict=False):
+            mine.interval, mine.frequency, mine.name = (
+                theirs.interval,
+                theirs.frequency,
+                theirs.name,
+            )
+
+    def _configured(self) -> None:
+        """Calls the user's ``configure_optimizers`` once, keeping a pristine copy.
+
+        Lightning loads a checkpoint's optimizer and scheduler state into the returned
+        objects; the JAX schedule is indexed by the restored step count, so it is mapped
+        from the objects as they were before (the copy shares the module's parameters).
+        """
+        if self._returned is None:
+            self._returned = self._user_configure_optimizers()
+            shared = {id(p): p for p in self.port.module.parameters()}
+            self._pristine = copy.deepcopy(self._returned, shared)
+
+    def _user_configure_optimizers(self) -> Any:
+        """The user's ``configure_optimizers()``, with the Trainer attached and its own flags.
+
+        Modules size schedules from ``self.trainer.estimated_stepping_batches``, which reads
+        ``accumulate_grad_batches``: the user's value is put back for the call.
+        """
+        user, trainer = self.port.module, self._trainer
+        if trainer is None:
+            return user.configure_optimizers()
+        neutral = {k: getattr(trainer, k) for k in self._flag_originals or {}}
+        for k, v in (self._flag_originals or {}).items():
+            setattr(trainer, k, v)
+        user.trainer = trainer
+        try:
+            return user.configure_optimizers()
+        finally:
+            for k, v in neutral.items():
+                setattr(trainer, k, v)
+
+    def _map(self, *, provisional: bool) -> None:
+        self._configured()
+        if self.manual:
+            self._map_manual(provisional=provisional)
+            return
+        named = {
+            k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
+        }
+        trainer, m = self._trainer, self.flags.accumulate
+        batches = None if trainer is None or provisional else trainer.num_training_batches
+        if batches is None:  # before the loaders exist: the state's structure only
+            per_epoch, total = 1, 1
+        elif math.isinf(batches):  # an iterable loader: no epoch length
+            assert trainer is not None  # (batches came from it)
+            per_epoch, total = None, max(trainer.max_steps, 1)
+        else:
+            assert trainer is not None
+            per_epoch = math.ceil(int(batches) / m)
+            epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
+            total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
+        per_batches = None if batches is None or math.isinf(batches) else int(batches)
+        key = (per_epoch, max(int(total), 1), m, per_batches)
+        if key == self._map_key and self.mapped is not None:
+            return  # (a later fit of the same run: the compiled step stays valid)
+        self._map_key = key
+        self.mapped = map_configure_optimizers(
+            self._pristine,
+            named,
+            steps_per_epoch=per_epoch,
+            total_steps=key[1],
+            accumulate_grad_batches=m,
+            batches_per_epoch=per_batches,
+        )
+        self._train_step = None  # the tables are constants of the compiled step
+        self._short_steps = {}
+        self._lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
+
+    def optimizer(self) -> optax.GradientTransformation:
+        if self.manual and self.tx is None:
+            self._configured()
+            return self.manual_plan.tx()
+        if self.tx is None:
+            if self.mapped is None:
+                self._map(provisional=True)  # the state's structure; tables come at train start
+            assert self.mapped is not None
+            base = self.mapped.tx
+        else:
+            base = self.tx
+        if self.flags.clip_val is None:
+            return base
+        from torchshell._clip import torch_clip
+
+        only = None if self.mapped is None else self.mapped.param_names
+        return optax.chain(
+            torch_clip(self.flags.clip_val, self.flags.clip_algorithm, only=only), base
+        )
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if any(type(c).__name__ == "_LRCallback" for c in self.trainer.callbacks):
+            raise ConfigError(
+                "Lightning's learning-rate finder (Tuner.lr_find) sweeps the lr by swapping "
+                "the torch optimizer's scheduler during fit; the compiled step runs the optax "
+                "mapping of configure_optimizers() and would not follow it (a flat curve, a "
+                "meaningless suggestion). Fix: choose the lr with a few short fits at "
+                "different lr values, or run lr_find on the plain LightningModule."
+            )
+        if self.manual:
+            self._check_manual()
+        if self.tx is None:
+            self._map(provisional=False)
+            if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
+                print(f"coreshell: optimizer {self.mapped.description} (mapped onto optax)")
+
+    def _sync_torch_lr(self) -> None:
+        """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
+        if self.mapped is None or not self.trainer.optimizers:
+            return
+        optimizer = self.trainer.optimizers[0]
+        lrs = self._table_lrs(self.trainer.global_step)  # read on the host: no device work
+        for index in self.mapped.lr_group:
+            optimizer.param_groups[index]["lr"] = lrs[index] * float(self._lr_scale[index])
+
+    def _table_lrs(self, step: int) -> list[float]:
+        assert self.mapped is not None
+        lrs = []
+        for group in self.mapped.groups:
+            table = group.tables.get("lr")
+            lrs.append(
+                float(group.const["lr"] if table is None else table[min(step, len(table) - 1)])
+            )
+        return lrs
+
+    def _step_plateau(self) -> None:
+        """Steps the user's ``ReduceLROnPlateau`` schedulers as Lightning does at an epoch's end.
+
+        On the monitored value in ``callback_metrics`` (Lightning's ``strict`` rule when it
+        is missing), every ``frequency`` epochs; the lr each group reaches becomes the JAX
+        step's per-group factor on the tabulated lr (``TorchOptState.scale``, in the
+        checkpointed state). The scheduler is the user's own object, which Lightning
+        checkpoints and restores.
+        """
+        mapped = self.mapped
+        if mapped is None or not mapped.plateau or self.tx is not None or self.state is None:
+            return
+        optimizer = self.trainer.optimizers[0]
+        tables = self._table_lrs(self.trainer.global_step)
+        scale = _scale_of(self.state.opt_state)
+        for group, lr, factor in zip(optimizer.param_groups, tables, scale, strict=True):
+            if not math.isclose(group["lr"], lr * float(factor), rel_tol=1e-6):
+                group["lr"] = lr * float(factor)  # the lr the step uses now (float32 tables)
+        for index in mapped.plateau:
+            config = self._configs[index]
+            if (self.trainer.current_epoch + 1) % config.frequency:
+                continue
+            value = self.trainer.callback_metrics.get(config.monitor)
+            if value is None:
+                message = (
+                    f"ReduceLROnPlateau monitors {config.monitor!r}, which is not among the "
+                    f"logged values {sorted(self.trainer.callback_metrics)}"
+                )
+                if config.strict:
+                    raise ConfigError(
+                        f"{message}. Fix: log it (e.g. self.log({config.monitor!r}, ...) in "
+                        "validation_step), or set 'monitor' in the lr_scheduler dict to one of "
+                        "those."
+                    )
+                warnings.warn(
+                    f"{message}; strict=False: the lr is not updated.", RuntimeWarning, stacklevel=2
+                )
+                continue
+            config.scheduler.step(value)
+        new = np.asarray(
+            [
+                g["lr"] / lr if lr else 1.0
+                for g, lr in zip(optimizer.param_groups, tables, strict=True)
+            ],
+            np.float32,
+        )
+        self._lr_scale = new
+        if not np.array_equal(new, scale):
+            self.state = self.state.replace(opt_state=_with_scale(self.state.opt_state, new))
+
+
+def _scale_of(opt_state: Any) -> np.ndarray:
+    """The mapped optimizer's per-group lr factor (host copy) from a (chained) optax state."""
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchOptState)):
+        if isinstance(node, TorchOptState) and node.scale is not None:
+            return np.asarray(node.scale)
+    raise ValueError("no TorchOptState with a scale in the optimizer state")
+
+
+def _with_scale(opt_state: Any, scale: np.ndarray) -> Any:
+    """``opt_state`` with the mapped optimizer's per-group lr factor replaced (same sharding)."""
+
+    def put(node: Any) -> Any:
+        if isinstance(node, TorchOptState) and node.scale is not None:
+            value = jax.device_put(jnp.asarray(scale, jnp.float32), node.scale.sharding)
+            return node._replace(scale=value)
+        return node
+
+    return jax.tree.map(put, opt_state, is_leaf=lambda x: isinstance(x, TorchOptState))
