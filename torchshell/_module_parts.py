@@ -4,7 +4,8 @@
   (see :mod:`torchshell._flags`), and the optimizer they shape;
 - :class:`HandOverPart`: batches to JAX (named, padded with a mask, stacked for K steps or
   an accumulation window);
-- :class:`EvaluationPart`: exact masked validation/test means, and prediction;
+- :class:`~torchshell._evaluation.EvaluationPart` (its own module): exact masked
+  validation/test means, and prediction;
 - :class:`~torchshell._checkpoint_part.CheckpointPart` (its own module): what a checkpoint
   holds of the JAX state, and restoring it.
 
@@ -40,7 +41,7 @@ Batch = Any
 # step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
 _AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
-__all__ = ["EvaluationPart", "HandOverPart", "TrainerFlagsPart"]
+__all__ = ["HandOverPart", "TrainerFlagsPart"]
 
 
 class _Shared(L.LightningModule):
@@ -312,63 +313,3 @@ class HandOverPart(_Shared):
     def _sample(self, batch: Any) -> Any:
         """A JAX batch with one step's shapes, to build the state from."""
         return self._static(self._to_jax(batch), True)
-
-
-class EvaluationPart(_Shared):
-    # -- evaluation ----------------------------------------------------------------------
-    def _eval(self, batch: Any, dataloader_idx: int | None) -> None:
-        batch = self._prepare(batch)
-        state = self.init_state(batch)
-        if self._eval_step is None:
-            self._eval_step = jaxcore.make_eval_step(
-                self.model_fns,
-                self.loss_fn,
-                state_sharding=jaxcore.state_shardings(state),
-                batch_sharding=self.batch_sharding,
-                compute_dtype=self._compute_dtype,
-            )
-        with self._batch_check(batch):
-            sums = self._eval_step(state, self._static(self._to_jax(batch), False))
-        before = self._eval_sums.get(dataloader_idx)
-        self._eval_sums[dataloader_idx] = (
-            sums if before is None else jax.tree.map(lambda a, b: a + b, before, sums)
-        )
-
-    def _eval_epoch_end(self, prefix: str) -> None:
-        """Exact epoch means per loader: ``val/loss``, or with several loaders Lightning's
-        ``val/loss/dataloader_idx_N``."""
-        every, self._eval_sums = jax.device_get(self._eval_sums), {}
-        for idx, sums in every.items():
-            count = float(sums.pop("count"))
-            suffix = "" if idx is None else f"/dataloader_idx_{idx}"
-            self.log_dict(
-                {f"{prefix}/{k}{suffix}": float(v) / count for k, v in sums.items()},
-                prog_bar=prefix == "val",
-                add_dataloader_idx=False,  # (named here: epoch-end hooks have no loader)
-            )
-
-    # ``dataloader_idx``: passed by Lightning with several loaders only.
-    def validation_step(
-        self, batch: Any, batch_idx: int, dataloader_idx: int | None = None
-    ) -> None:
-        self._eval(batch, dataloader_idx)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
-        self._eval(batch, dataloader_idx)
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        batch = self._prepare(batch)
-        state = self.init_state(batch)
-        if self._predict_step is None:
-            self._predict_step = jaxcore.make_predict_step(
-                self.model_fns, compute_dtype=self._compute_dtype
-            )
-        n = rows(batch)
-        outputs = self._predict_step(state, self._static(self._to_jax(batch), False))
-        return bridge.to_torch(outputs)[:n]

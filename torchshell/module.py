@@ -23,12 +23,9 @@ from torchshell import _state_io
 from torchshell._batches import float_fields, positional_keys, signature
 from torchshell._checkpoint_part import CheckpointPart
 from torchshell._errors import ConfigError
+from torchshell._evaluation import EvaluationPart
 from torchshell._flags import TrainerFlags
-from torchshell._module_parts import (
-    EvaluationPart,
-    HandOverPart,
-    TrainerFlagsPart,
-)
+from torchshell._module_parts import HandOverPart, TrainerFlagsPart
 from torchshell._torch_loss import (
     is_torch_loss,
     torch_function_loss,
