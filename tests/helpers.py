@@ -66,6 +66,95 @@ def run_all(
     return done
 
 
+# One interpreter pays the imports every `coreshell` command needs (~18 s of CPU on this
+# machine), then forks one child per command: each child is a fresh `python -m
+# torchshell.app.cli ARGV` from the moment `main()` runs (JAX's backends are not started in the
+# parent, so the child's device split, Hydra, logging and warnings are its own).
+_FORKED_CLI = r"""
+import json, os, sys, traceback
+cmds, out_dir, parallel = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+import torch, jax, lightning, mlflow, hydra
+import torchshell.app.config, torchshell.app.doctor, torchshell.app.export_cli
+import torchshell.app.failures, torchshell.app.quiet, torchshell.app.train
+from jax._src import xla_bridge
+assert not xla_bridge.backends_are_initialized()
+import torchshell.app.cli as cli
+
+def child(i, cwd, argv):
+    os.chdir(cwd)
+    for fd, ext in ((1, "out"), (2, "err")):
+        os.dup2(os.open(f"{out_dir}/{i}.{ext}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = [cli.__file__, *argv]
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+codes, running = {}, {}
+for i, (cwd, argv) in enumerate(cmds):
+    while len(running) >= parallel:
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        child(i, cwd, argv)
+    running[pid] = i
+while running:
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[i] for i in range(len(cmds))]))
+"""
+
+
+def run_cli_forked(
+    cmds: Sequence[tuple[Path, Sequence[str]]],
+    out_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    parallel: int = 2,
+    timeout: int = 900,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs ``coreshell ARGV`` for each ``(cwd, argv)`` as :func:`run_all` would (a user's
+    environment unless ``env``), but in forked children of one interpreter that imported the
+    libraries once: for commands that stop early (refusals, checks), where start-up is most
+    of the cost. Each child's stdout, stderr and exit status are its own."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = json.dumps([[str(cwd), list(argv)] for cwd, argv in cmds])
+    driver = subprocess.run(
+        [sys.executable, "-c", _FORKED_CLI, payload, str(out_dir), str(parallel)],
+        cwd=out_dir,
+        env=user_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert driver.returncode == 0, driver.stderr[-4000:]
+    codes = json.loads(driver.stdout.strip().splitlines()[-1])
+    return [
+        subprocess.CompletedProcess(
+            [*CLI, *argv],
+            code,
+            (out_dir / f"{i}.out").read_text(),
+            (out_dir / f"{i}.err").read_text(),
+        )
+        for i, ((_, argv), code) in enumerate(zip(cmds, codes, strict=True))
+    ]
+
+
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
     """The real ``lightning.Trainer`` on one CPU process, without files or console output."""
     return L.Trainer(

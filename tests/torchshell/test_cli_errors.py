@@ -1,5 +1,6 @@
 """Errors without tracebacks: the bad inputs of docs/reliability.md through the real CLI,
-and ``coreshell doctor`` refusing what ``coreshell train`` refuses, on the same mesh."""
+and ``coreshell doctor`` refusing what ``coreshell train`` refuses, on the same mesh. Each
+command is its own process (forked from one that imported the libraries once)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import jaxcore
-from tests.helpers import CLI, run_all, user_env
+from tests.helpers import run_cli_forked, user_env
 from torchshell.app.cli import guarded
 
 DIGITS = ["data=digits", "tracking.system_metrics_interval_s=null"]
@@ -48,11 +49,11 @@ BAD_INPUTS = [
 
 
 def test_bad_inputs_through_the_cli_are_one_block_without_traceback(tmp_path: Path):
-    cmds = [[*CLI, *argv, f"hydra.run.dir={tmp_path}/run"] for _, argv, _, _ in BAD_INPUTS]
-    procs = run_all(cmds, tmp_path)
+    cmds = [(tmp_path, [*argv, f"hydra.run.dir={tmp_path}/run"]) for _, argv, _, _ in BAD_INPUTS]
     (tmp_path / "export").mkdir()
     cases = [*BAD_INPUTS, ("export of no run", [], 2, ["does not exist", "Fix:"])]
-    procs += run_all([[*CLI, "export", "no-such-dir", "--format", "onnx"]], tmp_path / "export")
+    cmds.append((tmp_path / "export", ["export", "no-such-dir", "--format", "onnx"]))
+    procs = run_cli_forked(cmds, tmp_path / "forked")
     assert not (tmp_path / "export" / "mlflow.db").exists()  # a typo creates no store
     for (row, _, code, needles), proc in zip(cases, procs, strict=True):
         text = proc.stdout + proc.stderr
@@ -90,11 +91,11 @@ def test_doctor_and_train_agree_on_the_mesh_and_on_refused_configs(tmp_path: Pat
     base = [*DIGITS, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"ckpt.dir={tmp_path}/ck"]
     cmds = []
     for extra in configs:
-        cmds.append([*CLI, "train", *base, *extra, f"hydra.run.dir={tmp_path}/run"])
-        cmds.append([*CLI, "doctor", *base, *extra])
-    cmds.append([*CLI, "doctor", *base])
+        cmds.append((tmp_path, ["train", *base, *extra, f"hydra.run.dir={tmp_path}/run"]))
+        cmds.append((tmp_path, ["doctor", *base, *extra]))
+    cmds.append((tmp_path, ["doctor", *base]))
     wide = user_env() | {"COLUMNS": "400"}  # doctor's table on one line per check
-    *pairs, fine = run_all(cmds, tmp_path, env=wide)
+    *pairs, fine = run_cli_forked(cmds, tmp_path / "forked", env=wide)
     for extra, train, doctor in zip(configs, pairs[::2], pairs[1::2], strict=True):
         assert train.returncode != 0 and doctor.returncode != 0, extra
         assert "Traceback" not in train.stderr + doctor.stderr, extra
