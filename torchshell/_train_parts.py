@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import jaxcore
 from torchshell._batches import MicroBatches
 from torchshell._module_parts import _Shared
-from torchshell._train_log import find_lrs, fresh
+from torchshell._train_log import OWN, find_lrs, fresh
 
 __all__ = ["StepPart", "TrainLogPart"]
 
@@ -111,11 +111,32 @@ class StepPart(_Shared):
 
 
 class TrainLogPart(_Shared):
+    # The names of the step's own loss, learning rate and refused-step count. The Flax/torch
+    # path's are its model's training values (``train/*``, as its loss_fn names its
+    # metrics); the Lightning port's user names its own, so there these are coreshell's.
+    _own_train = "train/"
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_started()
+        self._align_logger_step()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_ended()
+
+    def _align_logger_step(self) -> None:
+        """Where Lightning's logger step is set to the port's meaning (``UserMetrics``)."""
+
+    def _log_step(self) -> int:
+        """The logger step of the values of the step that just ran: here the optimizer steps
+        done (``global_step``); the Lightning port logs at Lightning's own step instead."""
+        return int(self.trainer.global_step)
+
+    def _logging_step(self, before: int) -> bool:
+        """Whether the step that just ran (``before``: ``global_step`` before it) is a
+        logging step: it completed a multiple of ``log_every_n_steps`` optimizer steps, as
+        Lightning's ``(step + 1) % log_every_n_steps == 0``."""
+        every = max(int(self.trainer.log_every_n_steps), 1)
+        return bool(self.trainer.global_step // every > before // every)
 
     def _outputs_wanted(self) -> bool:
         """A user callback overrides ``on_train_batch_end``: it may read ``outputs["loss"]``.
@@ -161,9 +182,13 @@ class TrainLogPart(_Shared):
         """Per-step work on device metrics (epoch aggregation in the Lightning port)."""
 
     def _log_to_loggers(self, metrics: dict[str, float]) -> None:
-        if self._trainer is not None:
+        """coreshell's own figures (compile statistics) to the loggers, named under
+        ``coreshell/``, at the step of the values they came with."""
+        if self._trainer is not None and self.loggers:
+            own = {k if k.startswith(OWN) else f"{OWN}{k}": v for k, v in metrics.items()}
             for logger in self.loggers:
-                logger.log_metrics(metrics, step=self.trainer.global_step)
+                logger.log_metrics(own, step=self._log_step())
+            self.trainer.logged_metrics.update({k: torch.tensor(v) for k, v in own.items()})
 
     def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The on-device values of one logging step, under their logged names."""
@@ -171,35 +196,55 @@ class TrainLogPart(_Shared):
 
     def _queue_log(self, metrics: dict[str, jax.Array], rows: int) -> None:
         assert self.state is not None
-        extra: dict[str, Any] = dict(find_lrs(self.state.opt_state))
+        extra: dict[str, Any] = {
+            f"{self._own_train}lr": lr for lr in find_lrs(self.state.opt_state).values()
+        }
         if self.nan_policy != "none":
-            extra["train/nonfinite_steps"] = self.state.nonfinite
+            extra[f"{self._own_train}nonfinite_steps"] = self.state.nonfinite
         values = {**self._train_values(metrics), **fresh(extra)}  # copies: state is donated
-        self.train_log.queue(values, rows, self.trainer.global_step)
+        self.train_log.queue(values, rows, self._log_step(), self.trainer.current_epoch)
 
-    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
-        """Logs one logging step's host values to loggers, callbacks and the progress bar."""
-        logs |= {f"bridge/{k}": v for k, v in self.transfer_stats.as_metrics().items()}
+    def _emit(
+        self, logs: dict[str, float], step: int, progress_bar: bool, epoch: int | None = None
+    ) -> None:
+        """Logs one logging step's host values to loggers, callbacks and the progress bar.
+
+        As Lightning's logger connector does for ``self.log``: each logger gets the row at
+        ``step`` with the ``epoch`` it was computed in, ``trainer.logged_metrics`` and
+        ``trainer.callback_metrics`` the values. coreshell's own figures are named under
+        ``coreshell/``; the progress bar shows the loss and samples/s without adding them to
+        ``callback_metrics`` (where a ``ModelCheckpoint(monitor=...)`` would find them).
+        """
+        logs |= {f"{OWN}bridge/{k}": v for k, v in self.transfer_stats.as_metrics().items()}
         if self._train_step is not None:
-            logs["compile/recompiles"] = float(
+            logs[f"{OWN}compile/recompiles"] = float(
                 self._train_step.recompiles + sum(s.compiles for s in self._short_steps.values())
             )
-        if self._trainer is not None:
+        if self._trainer is not None and self.loggers:
+            row: dict[str, float] = logs if epoch is None else {**logs, "epoch": epoch}
             for logger in self.loggers:
-                logger.log_metrics(logs, step=step)
+                logger.log_metrics(row, step=step)
+            self.trainer.logged_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
         # Callbacks read trainer.callback_metrics; LightningModule.log costs ~0.8 ms a value
-        # (measured), so the values go there directly and only the loss through self.log.
+        # (measured), so the values go there directly.
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
-        if progress_bar:  # (not allowed in on_train_end)
+        if progress_bar:  # (not at the end of training: the last bar has gone)
             self._progress(logs)
-        if logs.get("train/nonfinite_steps", 0.0):
+        if logs.get(f"{self._own_train}nonfinite_steps", 0.0):
             self._check_finite()
 
+    def _user_names(self) -> set[str]:
+        """Names the user logs (the Lightning port's ``self.log`` names)."""
+        return set()
+
     def _progress(self, logs: dict[str, float]) -> None:
-        if "train/loss" in logs:
-            self.log("loss", logs["train/loss"], prog_bar=True, logger=False)
-        if "perf/samples_per_s" in logs:
-            self.log("samples/s", logs["perf/samples_per_s"], prog_bar=True, logger=False)
+        """The loss and samples/s in the progress bar only (``trainer.progress_bar_metrics``,
+        which the bar reads); a name the user logs keeps its own value there."""
+        bar = self.trainer.progress_bar_metrics
+        mine = {"loss": f"{self._own_train}loss", "samples/s": f"{OWN}perf/samples_per_s"}
+        for name, key in mine.items():
+            if key in logs and name not in self._user_names():
+                bar[name] = logs[key]
 
     def _last_step_values(self) -> None:
         """``callback_metrics`` end with the last step's values, as in plain Lightning.

@@ -365,8 +365,7 @@ class JaxModule(
         self._last_metrics = metrics
         self._after_step(metrics, rows_ * (micro if m > 1 else 1))
         self.train_log.compute += time.perf_counter() - t0
-        every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
-        if self.trainer.global_step // every > before // every:
+        if self._logging_step(before):
             self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
         return ahead if ahead is not None else self._outputs(metrics)
 

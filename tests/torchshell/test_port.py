@@ -148,7 +148,8 @@ def test_sgd_momentum_steplr_matches_plain_lightning(tmp_path: Path) -> None:
         np.testing.assert_allclose(
             float(ours.callback_metrics[name]), float(ref.callback_metrics[name]), rtol=1e-5
         )
-    assert "val_loss" in ours.progress_bar_metrics and "train_loss" in ours.progress_bar_metrics
+    # the bar: Lightning's names (train_loss_step, train_loss_epoch), coreshell's loss, samples/s
+    assert set(ours.progress_bar_metrics) == set(ref.progress_bar_metrics) | {"loss", "samples/s"}
 
 
 def test_adamw_param_groups_onecycle_per_step(tmp_path: Path) -> None:
@@ -594,7 +595,9 @@ def test_lightning_demo_modules_train_unchanged(tmp_path: Path) -> None:
     jm = JaxModule.from_lightning(Offline(vocab_size=50), print_summary=False)
     trainer = _trainer(tmp_path, max_steps=3)
     trainer.fit(jm, DataLoader(pairs, batch_size=8))
-    assert trainer.global_step == 3 and math.isfinite(trainer.logger.rows[-1][1]["train/loss"])
+    assert trainer.global_step == 3 and math.isfinite(
+        trainer.logger.rows[-1][1]["coreshell/train/loss"]
+    )
 
 
 def test_plain_jaxmodule_honours_accumulate_and_clip(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
+from torchshell._train_log import OWN
+
 if TYPE_CHECKING:
     import lightning as L
 
@@ -115,11 +117,16 @@ def end_summary(
     metrics: dict[str, float],
     result: dict[str, Any],
 ) -> None:
-    """The end of a run: where it is tracked, its metrics, the export and its parity."""
+    """The end of a run: where it is tracked, its metrics, the export and its parity.
+
+    The metrics shown are the run's own (the model's, or the user's ``self.log`` names) and
+    the training loss; coreshell's telemetry (``coreshell/perf/*``, ``coreshell/bridge/*``,
+    ``coreshell/compile/*``) stays in MLflow.
+    """
     shown = ", ".join(
         f"{k}={human(v)}"
         for k, v in sorted(metrics.items())
-        if not k.startswith(("bridge/", "perf/", "compile/")) and k not in ("loss", "samples/s")
+        if not k.startswith(OWN) or k == f"{OWN}train/loss"
     )
     where = f"{cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})"
     print(f"\nMLflow run {report.run_id} in {where}")

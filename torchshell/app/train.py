@@ -152,7 +152,10 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
             return _follow_main(cfg, data, module, twin, metrics)
         if run.cache is not None:
             logger.log_metrics(
-                {"compile/cache_hits": run.cache.hits, "compile/cache_misses": run.cache.misses},
+                {
+                    "coreshell/compile/cache_hits": run.cache.hits,
+                    "coreshell/compile/cache_misses": run.cache.misses,
+                },
                 step=trainer.global_step,
             )
         result = publish(

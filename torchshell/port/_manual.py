@@ -36,6 +36,7 @@ import torch
 import jaxcore
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
+from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._manual_optim import ManualOptState, ManualPlan
 
 __all__ = ["BatchIdx", "ManualRun", "manual_step"]
@@ -63,32 +64,6 @@ class _Reached(BaseException):  # (not an Exception: nothing on the way catches 
 
 class _Finished(BaseException):
     """``training_step`` returned before the backward call being looked for."""
-
-
-class BatchIdx(int):
-    """``batch_idx`` under manual optimization: 0, refusing to be computed with.
-
-    The step is traced once for every batch: a decision on ``batch_idx`` (stepping every N
-    batches) would be taken once, for batch 0, and silently kept.
-    """
-
-    owner = "the module"
-
-    def _refuse(self, *args: Any) -> Any:
-        raise ConfigError(
-            f"{self.owner}.training_step computes with batch_idx under manual optimization "
-            "(e.g. `if (batch_idx + 1) % N == 0: opt.step()`): the compiled step is traced "
-            "once for every batch, so a decision on batch_idx would be taken once, for batch "
-            "0. Fix: step the optimizers every batch; to accumulate gradients over N batches, "
-            "use automatic optimization with Trainer(accumulate_grad_batches=N), or pass a "
-            "larger batch."
-        )
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
-    __mod__ = __rmod__ = __floordiv__ = __rfloordiv__ = __truediv__ = _refuse
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _refuse  # type: ignore[assignment]
-    __index__ = __int__ = __float__ = _refuse  # type: ignore[assignment]
-    __hash__ = int.__hash__
 
 
 class _Detach(torch.overrides.TorchFunctionMode):

@@ -132,6 +132,26 @@ class ManualParts:
         progress.current.ready = progress.current.completed = progress.current.completed - 1 + n
         return out
 
+    # -- logging: Lightning's logger step under manual optimization counts batches ----------
+    def _align_logger_step(self) -> None:
+        """(Lightning's own count, batches, is the logger step under manual optimization.)"""
+        if not self.manual:
+            super()._align_logger_step()  # type: ignore[misc]
+
+    def _log_step(self) -> int:
+        """Under manual optimization plain Lightning logs a batch's values at the batches
+        before it (however many ``opt.step()`` calls each made)."""
+        if not self.manual:
+            return super()._log_step()  # type: ignore[misc,no-any-return]
+        return int(self.trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def _logging_step(self, before: int) -> bool:
+        """Under manual optimization every ``log_every_n_steps``-th batch, as Lightning."""
+        if not self.manual:
+            return super()._logging_step(before)  # type: ignore[misc,no-any-return]
+        every = max(int(self.trainer.log_every_n_steps), 1)
+        return (self._log_step() + 1) % every == 0
+
     def _manual_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Each optimizer's and scheduler's state as plain Lightning writes them."""
         optimizers, schedulers = self.manual_plan.to_torch(jax.device_get(self.state.opt_state))

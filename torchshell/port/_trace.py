@@ -25,6 +25,7 @@ from torchshell import trace as patterns
 from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell._torch_static import STATIC_KEY, check_static_reads
+from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._capture import LogCapture
 from torchshell.port._logs import (
     _MAX_STATIC,
@@ -162,6 +163,8 @@ class LightningPort(LogCapture):
                 try:
                     if hook == "training_step" and self.manual_plan is not None:
                         out = self._manual_call(b)
+                    elif hook == "training_step":  # (batch_idx: 0, refused if computed with)
+                        out = self.module.training_step(b, BatchIdx(type(self.module).__name__))
                     else:
                         out = getattr(self.module, hook)(b, 0, *extra)
                 finally:
@@ -180,11 +183,10 @@ class LightningPort(LogCapture):
 
     def _manual_call(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         """``training_step`` under manual optimization: ``(its return, the run's results)``."""
-        from torchshell.port._manual import BatchIdx, ManualRun
+        from torchshell.port._manual import ManualRun
 
         run = self.manual or ManualRun(self.manual_plan, [], [], dry=True)
-        idx = BatchIdx(0)
-        idx.owner = type(self.module).__name__
+        idx = BatchIdx(type(self.module).__name__, manual=True)
         with run.installed(self.module, self.tracer.env):
             out = self.module.training_step(batch, idx)
             return out, run.results()
@@ -289,8 +291,9 @@ class LightningPort(LogCapture):
                 warnings.warn(
                     f"{type(self.module).__name__}.{hook} reads batch scalars in Python "
                     f"(e.g. int(lengths.max())) that took {len(seen)} distinct values: each "
-                    "compiles the step again (compile/recompiles). Fix: pad the batches to a "
-                    "few lengths in the collate (buckets), or keep those values tensors.",
+                    "compiles the step again (coreshell/compile/recompiles). Fix: pad the "
+                    "batches to a few lengths in the collate (buckets), or keep those values "
+                    "tensors.",
                     RuntimeWarning,
                     stacklevel=2,
                 )

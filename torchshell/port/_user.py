@@ -25,6 +25,7 @@ from jaxcore import MICRO, TOTAL
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._batches import host_fields_back, host_fields_out
 from torchshell._errors import ConfigError
+from torchshell._train_log import OWN
 from torchshell.port._logs import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,
@@ -54,10 +55,17 @@ def _accumulate(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 class UserMetrics:
-    """Training values under the user's names (see the module docstring)."""
+    """Training values under the user's names (see the module docstring).
+
+    What coreshell adds (the returned loss, the learning rate, refused steps) is named under
+    ``coreshell/train/``: the user's module names its own values.
+    """
+
+    _own_train = f"{OWN}train/"
 
     port: Any
     trainer: Any
+    _trainer: Any
     _epoch: Any
     _last_metrics: dict[str, jax.Array]
     log: Any
@@ -69,7 +77,7 @@ class UserMetrics:
         return {**self.port.specs["training_step"], **self.port.specs[GRADS_HOOK]}
 
     def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {"train/loss": metrics["loss"]}
+        out = {f"{self._own_train}loss": metrics["loss"]}
         for name, spec in self._train_specs().items():
             if spec.on_step and spec.metric is None:  # (metric objects: Lightning logs them)
                 # under accumulate_grad_batches: each batch's own, the last one's reported
@@ -77,10 +85,28 @@ class UserMetrics:
                 out[f"{name}_step" if spec.on_epoch else name] = value
         for key in ("nonfinite",):
             if key in metrics:
-                out[f"train/{key}"] = metrics[key]
+                out[f"{self._own_train}{key}"] = metrics[key]
         return out
 
-    def _emit(self, logs: dict[str, float], step: int, progress_bar: bool) -> None:
+    def _user_names(self) -> set[str]:
+        return set(self._train_specs())
+
+    def _align_logger_step(self) -> None:
+        """Lightning's logger step during a batch is the optimizer steps before it, as in a
+        plain automatic-optimization run (Lightning counts this module's batches, as it
+        steps no torch optimizer): so what ``self.log`` logs in an epoch-end hook lands at
+        the step plain Lightning gives it, also under ``accumulate_grad_batches``."""
+        if self._trainer is not None:
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.trainer.global_step
+
+    def _log_step(self) -> int:
+        """The step plain Lightning logs a training ``self.log`` value at: the optimizer
+        steps before the step that computed it (0 for the first step's values)."""
+        return max(int(self.trainer.global_step) - 1, 0)
+
+    def _emit(
+        self, logs: dict[str, float], step: int, progress_bar: bool, epoch: int | None = None
+    ) -> None:
         hidden = {
             (f"{n}_step" if s.on_epoch else n)
             for n, s in self._train_specs().items()
@@ -91,12 +117,13 @@ class UserMetrics:
             key = f"{name}_step" if spec.on_epoch else name
             if spec.on_step and key in logs and progress_bar:  # (at the end: epoch values)
                 self.trainer.callback_metrics[name] = torch.tensor(logs[key])
-        super()._emit(shown, step, progress_bar)  # type: ignore[misc]
-        if progress_bar:
+        super()._emit(shown, step, progress_bar, epoch)  # type: ignore[misc]
+        if progress_bar:  # under Lightning's bar names (name_step when on epoch too)
+            bar = self.trainer.progress_bar_metrics
             for name, spec in self._train_specs().items():
                 key = f"{name}_step" if spec.on_epoch else name
                 if spec.prog_bar and spec.on_step and key in logs:
-                    self.log(name, logs[key], prog_bar=True, logger=False)
+                    bar[key] = logs[key]
 
     def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
         if self.port.metric_calls["training_step"]:

@@ -23,16 +23,27 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from torchshell import _checkpoint_files as files
 from torchshell._errors import TrackingError
+from torchshell._train_log import OWN
 
-# gauge name -> (help text, the key in trainer.callback_metrics it follows)
+# gauge name -> (help text, the keys in trainer.callback_metrics it follows, first found wins:
+# the Flax/torch path's model loss is train/loss, the Lightning port's coreshell/train/loss)
 _FROM_LOGS = {
-    "coreshell_train_loss": ("Training loss at the last logging step.", "train/loss"),
-    "coreshell_samples_per_second": ("Training samples per second.", "perf/samples_per_s"),
+    "coreshell_train_loss": (
+        "Training loss at the last logging step.",
+        ("train/loss", f"{OWN}train/loss"),
+    ),
+    "coreshell_samples_per_second": (
+        "Training samples per second.",
+        (f"{OWN}perf/samples_per_s",),
+    ),
     "coreshell_data_wait_fraction": (
         "Fraction of wall time the loop waited for the DataLoader.",
-        "perf/data_wait_fraction",
+        (f"{OWN}perf/data_wait_fraction",),
     ),
-    "coreshell_recompiles": ("Recompilations of the train step.", "compile/recompiles"),
+    "coreshell_recompiles": (
+        "Recompilations of the train step.",
+        (f"{OWN}compile/recompiles",),
+    ),
 }
 
 
@@ -87,8 +98,8 @@ class PrometheusMetrics(Callback):
         self.registry = CollectorRegistry()
         self._step = Gauge("coreshell_step", "Optimizer steps done.", registry=self.registry)
         self._gauges = {
-            key: Gauge(name, text, registry=self.registry)
-            for name, (text, key) in _FROM_LOGS.items()
+            keys: Gauge(name, text, registry=self.registry)
+            for name, (text, keys) in _FROM_LOGS.items()
         }
         for gauge in self._gauges.values():
             gauge.set(math.nan)
@@ -136,8 +147,9 @@ class PrometheusMetrics(Callback):
 
     def update(self, metrics: dict[str, Any]) -> None:
         """Sets the gauges that follow ``metrics`` (a logging step's values)."""
-        for key, gauge in self._gauges.items():
-            if key in metrics:
+        for keys, gauge in self._gauges.items():
+            key = next((k for k in keys if k in metrics), None)
+            if key is not None:
                 gauge.set(float(metrics[key]))
 
     # -- Lightning hooks ---------------------------------------------------------------------
