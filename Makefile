@@ -2,8 +2,9 @@
 # Both create or reuse the virtual environment $(VENV) and install the project into it when
 # pyproject.toml (or the checkout's location) changed.
 VENV ?= .venv
-# the suite in two worker processes, each test file whole in one (its module fixtures run once)
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# the suite in two worker processes, each test file whole in one (its module fixtures run once),
+# files in collection order: tests/conftest.py puts the ones that take minutes first
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 # torch and torchaudio are CUDA builds on the registry (~8 GB with their nvidia libraries):

@@ -10,3 +10,29 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 # coreshell train's compile cache (conf/config.yaml: step.compile_cache_dir) stays out of
 # the real ~/.cache/coreshell during tests, for this process and the CLIs it starts.
 os.environ.setdefault("CORESHELL_CACHE_DIR", tempfile.mkdtemp(prefix="coreshell-test-cache-"))
+
+# The files that take minutes, longest first. `make test`'s two workers take whole files in
+# collection order (`--dist loadfile --no-loadscope-reorder`, Makefile): the long files start
+# early and the many short ones even out the end, instead of one worker running a long file
+# alone after the other ran out of work (xdist's own reorder, by number of tests, put the
+# one-test files that take minutes last). Only the order changes; every test still runs.
+SLOW_FIRST = (
+    "tests/test_benchmarks.py",
+    "tests/torchshell/test_cli.py",
+    "tests/torchshell/test_multiprocess.py",
+    "tests/zoo/test_zoo.py",
+    "tests/torchshell/test_export.py",
+    "tests/torchshell/test_resume.py",
+    "tests/test_outage_soak.py",
+    "tests/torchshell/test_serve.py",
+    "tests/test_gpu_script.py",
+    "tests/torchshell/test_port_audio.py",
+    "tests/test_kill_campaign.py",
+    "tests/torchshell/test_torch_patterns.py",
+    "tests/torchshell/test_cli_errors.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
