@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -20,6 +21,7 @@ from benchmarks._runs import (
     start_and_wait_for_checkpoint,
     train_cmd,
 )
+from tests.helpers import run_cli_forked
 from torchshell.checkpoint import latest_checkpoint, verify
 
 STEPS = 120
@@ -114,21 +116,15 @@ def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path: Path, full: Pa
 
 def test_bad_config_fails_before_any_work(tmp_path: Path):
     cases = [("trainer.max_steps=abc", "max_steps"), ("optim.lrr=1", "lrr")]
-    procs = []  # both at once, each in its own directory
-    for i, (override, _) in enumerate(cases):
+    for i in range(len(cases)):  # each in its own directory
         (tmp_path / str(i)).mkdir()
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", cli_module(), "train", override],
-                cwd=tmp_path / str(i),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    procs = run_cli_forked(
+        [(tmp_path / str(i), ["train", override]) for i, (override, _) in enumerate(cases)],
+        tmp_path / "forked",
+        env=dict(os.environ),
+    )
     for i, ((override, needle), proc) in enumerate(zip(cases, procs, strict=True)):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode != 0 and needle in err, (override, err[-2000:])
+        assert proc.returncode != 0 and needle in proc.stderr, (override, proc.stderr[-2000:])
         assert not (tmp_path / str(i) / "mlflow.db").exists(), override
 
 
