@@ -15,8 +15,8 @@ torchax alone stops there. The environment here traces four such patterns instea
 - **a scalar read from the batch** (``int(lengths.max().item())``) is *specialised*
   (:class:`Reads`, :mod:`torchshell._torch_static`).
 
-Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, and
-:mod:`torchshell._ctc` for the CTC loss).
+Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, :mod:`._rnnt` for
+torchaudio's RNN-T loss, and :mod:`torchshell._ctc` for the CTC loss).
 """
 
 from torchshell.trace._env import check_class_target, environment, tracing

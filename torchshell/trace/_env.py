@@ -27,6 +27,7 @@ from torchshell.trace._lowerings import (
     window,
 )
 from torchshell.trace._reads import Reads, scalar_reads
+from torchshell.trace._rnnt import rnnt_loss_forward
 
 _BATCH_NORM_OPS = (
     "native_batch_norm",
@@ -68,6 +69,7 @@ def environment(reads: Reads) -> Any:
         torch.ops.aten.mT.default: lambda x: jnp.swapaxes(x, -1, -2),  # x.mT
         torch.ops.aten.mH.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
         torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
+        **_torchaudio_lowerings(),
     }
     for aten_op, lowering in lowerings.items():
         env._ops[aten_op] = ops_registry.Operator(
@@ -85,6 +87,18 @@ def environment(reads: Reads) -> Any:
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
     env.override_op_definition(F.ctc_loss, functools.partial(_ctc_loss, env))
     return env
+
+
+def _torchaudio_lowerings() -> dict[Any, Callable[..., Any]]:
+    """torchaudio's custom ops, where torchaudio is already imported (never imported here):
+    ``rnnt_loss_forward`` under ``torchaudio.functional.rnnt_loss`` / ``transforms.RNNTLoss``."""
+    if "torchaudio" not in sys.modules:
+        return {}
+    try:
+        op = torch.ops.torchaudio.rnnt_loss_forward.default
+    except (AttributeError, RuntimeError):  # a torchaudio built without its RNN-T kernel
+        return {}
+    return {op: rnnt_loss_forward}
 
 
 _F_CTC_LOSS = F.ctc_loss
