@@ -1,23 +1,32 @@
-"""JaxModule's evaluation part: exact masked validation/test means, and prediction."""
+"""JaxModule's evaluation part: exact masked validation/test means, and prediction.
+
+Across JAX processes each evaluation step is one collective over the global batch: every
+process hands over its own rows (its share of a loader that a ``DistributedSampler`` splits,
+see :func:`torchshell.data.eval_shard`), and the step's masked sums and ``count`` cover the
+rows of all processes. The rows such a sampler repeats to even out the shards are masked
+here, so the epoch means are those of one process over the same rows.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import torch
 
 import bridge
 import jaxcore
 from torchshell._batches import rows
 from torchshell._module_parts import _Shared
+from torchshell.data._sampler import real_rows, shard_sampler
 
 __all__ = ["EvaluationPart"]
 
 
 class EvaluationPart(_Shared):
     # -- evaluation ----------------------------------------------------------------------
-    def _eval(self, batch: Any, dataloader_idx: int | None) -> None:
-        batch = self._prepare(batch)
+    def _eval(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
+        batch = self._unrepeated(self._prepare(batch), batch_idx, dataloader_idx)
         state = self.init_state(batch)
         if self._eval_step is None:
             self._eval_step = jaxcore.make_eval_step(
@@ -33,6 +42,50 @@ class EvaluationPart(_Shared):
         self._eval_sums[dataloader_idx] = (
             sums if before is None else jax.tree.map(lambda a, b: a + b, before, sums)
         )
+
+    def _unrepeated(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> Any:
+        """The batch with the rows its loader's ``DistributedSampler`` repeated masked out.
+
+        Such a sampler evens out the processes' shards by repeating rows at the end of a
+        shard (:func:`~torchshell.data.real_rows`); the rows of this process's shard seen so
+        far (counted from ``batch_idx == 0``, the start of the loader's pass) say where they
+        begin. Batches of any other loader pass unchanged.
+        """
+        shards: dict[int | None, list[Any]] = self.__dict__.setdefault("_eval_shards", {})
+        if batch_idx == 0 or dataloader_idx not in shards:  # a new pass over this loader
+            shards[dataloader_idx] = [
+                real_rows(shard_sampler(self._eval_loader(dataloader_idx))),
+                0,
+            ]
+        shard = shards[dataloader_idx]
+        real, seen = shard
+        n = rows(batch)
+        shard[1] = seen + n
+        if real is None or seen + n <= real:
+            return batch
+        keep = torch.arange(seen, seen + n) < real
+        if "mask" in batch:
+            keep &= torch.as_tensor(batch["mask"]).bool().reshape(-1)
+        return {**batch, "mask": keep}
+
+    def _eval_loader(self, dataloader_idx: int | None) -> Any:
+        """The DataLoader of the running validation/test pass that ``dataloader_idx`` names
+        (Lightning's order of the flattened loaders), or ``None`` without a Trainer."""
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        if trainer.testing:
+            loop = trainer.test_loop
+        elif trainer.validating:
+            loop = trainer.validate_loop
+        else:  # validation inside fit, the sanity check included
+            loop = trainer.fit_loop.epoch_loop.val_loop
+        combined = loop._combined_loader
+        if combined is None:
+            return None
+        loaders = combined.flattened
+        idx = dataloader_idx or 0
+        return loaders[idx] if idx < len(loaders) else None
 
     def _eval_epoch_end(self, prefix: str) -> None:
         """Exact epoch means per loader: ``val/loss``, or with several loaders Lightning's
@@ -51,13 +104,13 @@ class EvaluationPart(_Shared):
     def validation_step(
         self, batch: Any, batch_idx: int, dataloader_idx: int | None = None
     ) -> None:
-        self._eval(batch, dataloader_idx)
+        self._eval(batch, batch_idx, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
 
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
-        self._eval(batch, dataloader_idx)
+        self._eval(batch, batch_idx, dataloader_idx)
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")

@@ -12,6 +12,7 @@ import torch
 from torchshell.app import quiet
 from torchshell.app.served import log_waveform_model
 from torchshell.data import stop_workers
+from torchshell.data._module import SplitDataModule
 from torchshell.export import export_module, max_abs_diff
 from torchshell.tracking import AsyncMLflowLogger, log_confusion_matrix, log_torch_model
 from torchshell.tracking._artifacts import log_class_report
@@ -20,13 +21,16 @@ from torchshell.tracking._artifacts import log_class_report
 def predict_test_split(module: Any, data: Any, label_key: str = "y") -> tuple[Any, np.ndarray, Any]:
     """JAX logits over the whole test split, and the labels (every process must call it).
 
-    One pass over one loader, whose workers are stopped at its end.
+    One pass over one loader, whose workers are stopped at its end. A recipe's test loader is
+    split across JAX processes (each evaluates its share); this pass reads the whole split in
+    every process (the data module's ``predict_dataloader``), as the predictions are.
 
     Returns:
         ``(labels per batch or None, logits [N, C], the first batch)``.
     """
     labels, logits, first = [], [], None
-    loader = data.test_dataloader()
+    whole = isinstance(data, SplitDataModule)  # (its test loader is split across processes)
+    loader = data.predict_dataloader() if whole else data.test_dataloader()
     try:
         for batch in loader:
             first = batch if first is None else first

@@ -8,12 +8,16 @@ from torchshell.data._loader import (
     loaders_in,
     stop_workers,
 )
+from torchshell.data._sampler import eval_shard, real_rows, shard_sampler
 
 __all__ = [
     "DrainingDataLoader",
     "batch_collate",
+    "eval_shard",
     "forking_loaders",
     "loader_kwargs",
     "loaders_in",
+    "real_rows",
+    "shard_sampler",
     "stop_workers",
 ]
