@@ -135,7 +135,7 @@ class TrainLogPart(_Shared):
         """Whether the step that just ran (``before``: ``global_step`` before it) is a
         logging step: it completed a multiple of ``log_every_n_steps`` optimizer steps, as
         Lightning's ``(step + 1) % log_every_n_steps == 0``."""
-        every = max(int(self.trainer.log_every_n_steps), 1)
+        every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
         return bool(self.trainer.global_step // every > before // every)
 
     def _outputs_wanted(self) -> bool:

@@ -161,6 +161,7 @@ class LightningPort(LogCapture):
             ):
                 lists = _lists(self.module)
                 try:
+                    out: Any
                     if hook == "training_step" and self.manual_plan is not None:
                         out = self._manual_call(b)
                     elif hook == "training_step":  # (batch_idx: 0, refused if computed with)
