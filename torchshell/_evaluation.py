@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 import bridge
 import jaxcore
@@ -74,9 +75,10 @@ class EvaluationPart(_Shared):
         trainer = self._trainer
         if trainer is None:
             return None
-        if trainer.testing:
+        fn = trainer.state.fn  # (the stage says "validating" inside fit too)
+        if fn == TrainerFn.TESTING:
             loop = trainer.test_loop
-        elif trainer.validating:
+        elif fn == TrainerFn.VALIDATING:
             loop = trainer.validate_loop
         else:  # validation inside fit, the sanity check included
             loop = trainer.fit_loop.epoch_loop.val_loop

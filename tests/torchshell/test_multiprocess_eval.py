@@ -24,9 +24,11 @@ FRACTIONS = {"val_fraction": 0.0563, "test_fraction": 0.0285}
 EVAL_BATCH = 16  # rows per process and batch
 
 
-def _evaluate() -> dict[str, Any]:
-    """Validation and test of an untrained digits MLP (seed 0) on this process's devices,
-    and the rows each split's dataset handed out here (``{split rows: rows read}``)."""
+def _evaluate(batch_size: int) -> dict[str, Any]:
+    """One training step of a digits MLP (seed 0; ``batch_size`` rows per process) with
+    validation inside fit, then ``validate`` and ``test``, on this process's devices: the
+    values of each pass, and the rows each split's dataset handed out here (``{split rows:
+    rows read}``)."""
     import jaxcore
     from jaxcore.models.digits import MLP
     from tests.helpers import quiet_trainer
@@ -49,13 +51,18 @@ def _evaluate() -> dict[str, Any]:
             mesh=jaxcore.make_mesh({"data": -1}),
             print_summary=False,
         )
-        data = DigitsDataModule(batch_size=16, eval_batch_size=EVAL_BATCH, **FRACTIONS)
-        trainer = quiet_trainer()
+        data = DigitsDataModule(batch_size=batch_size, eval_batch_size=EVAL_BATCH, **FRACTIONS)
+        trainer = quiet_trainer(
+            max_steps=1, val_check_interval=1, check_val_every_n_epoch=None, num_sanity_val_steps=0
+        )
+        trainer.fit(module, data)
+        fit = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         val = trainer.validate(module, data, verbose=False)[0]
         test = trainer.test(module, data, verbose=False)[0]
     finally:
         DigitsDataset.__getitems__ = gather  # type: ignore[method-assign]
-    return {"val": val, "test": test, "read": {str(k): v for k, v in read.items()}}
+    evaluated = {str(k): read[k] for k in (N_VAL, N_TEST)}  # (not the training split)
+    return {"fit": fit, "val": val, "test": test, "read": evaluated}
 
 
 def _child(rank: int, port: int, out: Path) -> None:
@@ -70,7 +77,7 @@ def _child(rank: int, port: int, out: Path) -> None:
         heartbeat_timeout_s=30,
         init_timeout_s=120,
     )
-    out.write_text(json.dumps(_evaluate()))
+    out.write_text(json.dumps(_evaluate(batch_size=8)))  # 2 x 8: the global 16
 
 
 @pytest.mark.timeout(600)
@@ -88,7 +95,7 @@ def test_two_processes_split_evaluation_and_match_one_process(tmp_path: Path):
         env = child_env(quiet_env(), 4)
         procs.append(subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
-        alone = _evaluate()  # meanwhile, 1 process x 8 devices here
+        alone = _evaluate(batch_size=16)  # meanwhile, 1 process x 8 devices here
         codes = [p.wait(timeout=500) for p in procs]
     finally:
         for p in procs:
@@ -100,12 +107,14 @@ def test_two_processes_split_evaluation_and_match_one_process(tmp_path: Path):
     assert codes == [0, 0], text
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
-    # one process reads every row once; each of two reads its half (rounded up: one of
-    # them reads a repeated row to even out the shards, and that row must not count)
-    assert alone["read"] == {str(N_VAL): N_VAL, str(N_TEST): N_TEST}
+    # one process reads every row once per pass (validation twice: in fit, then validate);
+    # each of two reads its half (rounded up: one of them reads a repeated row to even out
+    # the shards, and that row must not count)
+    assert alone["read"] == {str(N_VAL): 2 * N_VAL, str(N_TEST): N_TEST}
     for got in ranks:
-        assert got["read"] == {str(N_VAL): -(-N_VAL // 2), str(N_TEST): -(-N_TEST // 2)}
-    for split, names in (("val", ("val/loss", "val/accuracy")), ("test", ("test/loss",))):
+        assert got["read"] == {str(N_VAL): 2 * -(-N_VAL // 2), str(N_TEST): -(-N_TEST // 2)}
+    checked = [("fit", ("val/loss", "val/accuracy")), ("val", ("val/loss", "val/accuracy"))]
+    for split, names in [*checked, ("test", ("test/loss",))]:
         assert sorted(alone[split]) == sorted(ranks[0][split])
         for name in names:
             assert name in alone[split], sorted(alone[split])
