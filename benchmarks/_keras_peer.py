@@ -124,8 +124,12 @@ def keras_path(
 
     def run(steps: int) -> tuple[float, int]:
         clock = Clock()
-        model.fit(
-            loader, epochs=math.ceil((warmup + steps) / per_epoch), verbose=0, callbacks=[clock]
+        model.fit(  # (shuffle=False: the loader shuffles; Keras would warn it ignores True)
+            loader,
+            epochs=math.ceil((warmup + steps) / per_epoch),
+            verbose=0,
+            callbacks=[clock],
+            shuffle=False,
         )
         return clock.end - clock.start, clock.seen - warmup
 

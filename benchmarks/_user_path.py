@@ -190,5 +190,89 @@ def keras_loader(keras_model: Any, loader: Any, warmup: int) -> Path:
     return keras_path(keras_model, loader, warmup=warmup)  # type: ignore[no-any-return]
 
 
+class _Recording:
+    """A compiled step that keeps the arguments of its last call (the host-time probe)."""
+
+    def __init__(self, step: Any) -> None:
+        self.step, self.args = step, None
+
+    def __call__(self, *args: Any) -> Any:
+        self.args = args
+        return self.step(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.step, name)
+
+
+def _staged(call: Callable[[], None], sync: Callable[[], Any], steps: int) -> float:
+    """Seconds per call of ``call`` repeated ``steps`` times (best of 3 runs, synced)."""
+    call()
+    sync()
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            call()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return best
+
+
+def shell_staged_seconds(module: JaxModule, run: Path, steps: int = 200) -> float:
+    """Seconds per optimizer step of coreshell's own compiled step fed pre-staged batches.
+
+    The step the last fit ran (the K-step window, or the one-step program at K=1) is
+    recorded over a short fit of the loader, then called on the device batch it last took,
+    the state carried from call to call, with no loader, no Lightning and no hand-over.
+    """
+    k = module.window_k or 1
+    attr = "_window_step" if k > 1 else "_train_step"
+    if getattr(module, attr) is None:  # (not built yet: a fit shorter than one window)
+        run(2 * k)
+    recording = _Recording(getattr(module, attr))
+    setattr(module, attr, recording)
+    try:
+        run(2 * k)
+    finally:
+        setattr(module, attr, recording.step)
+    assert recording.args is not None, f"the short fit never called {attr}"
+    holder = [module.state, *recording.args[1:]]  # (the recorded state was donated)
+
+    def call() -> None:
+        holder[0], _ = recording.step(*holder)
+
+    seconds = _staged(call, lambda: jax.block_until_ready(holder[0]), max(steps // k, 1))
+    module.state = holder[0]
+    return seconds / k
+
+
+def hybrid_staged_seconds(model: Any, loader: Any, steps: int = 200) -> float:
+    """Seconds per step of the hybrid's jitted step fed one pre-staged device batch."""
+    tx = optax.adam(LR)
+    batch = jax.device_put(_named(next(iter(loader))))
+    params = init_params(model, ("x",), batch)
+    step = handwritten_step(model, ("x",), tx)
+    holder = [params, tx.init(params)]
+
+    def call() -> None:
+        holder[0], holder[1], _ = step(holder[0], holder[1], batch)
+
+    return _staged(call, lambda: jax.block_until_ready(holder[0]), steps)
+
+
+def loader_seconds(loader: Any, steps: int = 200) -> float:
+    """Seconds per batch of iterating the loader alone (best of 3 passes)."""
+    best = math.inf
+    for _ in range(3):
+        done, t0 = 0, time.perf_counter()
+        while done < steps:
+            for _batch in loader:
+                done += 1
+                if done == steps:
+                    break
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return best
+
+
 def epochs_for(loader: Any, steps: int) -> int:
     return math.ceil(steps / len(loader))

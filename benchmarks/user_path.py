@@ -52,6 +52,7 @@ BATCH = _user.BATCH
 
 USER = "peers/digits MLP, user DataLoader"
 USER_A = "(a) coreshell at its defaults"
+HYBRID = "(e) hand-written hybrid"
 USER_TARGETS = {"(b) pure JAX loop": 0.8, "(c) Keras 3 (JAX)": 1.1, "(e) hand-written hybrid": 1.05}
 
 
@@ -60,12 +61,16 @@ def bench_name(form: str) -> str:
     return f"{USER}: {form}"
 
 
-def form_paths(form: str, only: str, warmup: int) -> tuple[JaxModule, dict[str, _user.Path]]:
-    """Every path on one loader object of ``form``; coreshell as the README writes it."""
+def _mlp() -> Any:
     from jaxcore.models.digits import MLP
 
+    return MLP(features=(256, 256))
+
+
+def form_paths(form: str, only: str, warmup: int) -> tuple[JaxModule, dict[str, _user.Path]]:
+    """Every path on one loader object of ``form``; coreshell as the README writes it."""
     loader = _user.digits_loader(form)
-    mlp = lambda: MLP(features=(256, 256))  # noqa: E731
+    mlp = _mlp
     # warmup: optimizer steps before the timed ones (compile, the K measurement, windows)
     shell, shell_path = _user.shell_defaults(mlp(), loader, warmup)
     paths = {USER_A: shell_path}
@@ -76,7 +81,7 @@ def form_paths(form: str, only: str, warmup: int) -> tuple[JaxModule, dict[str, 
     paths |= {
         "(b) pure JAX loop": _user.pure_jax_loader(mlp(), loader),
         "(c) Keras 3 (JAX)": _user.keras_loader(_keras_peer.keras_mlp(), loader, warmup=2),
-        "(e) hand-written hybrid": _user.hybrid_loader(mlp(), loader, warmup=2),
+        HYBRID: _user.hybrid_loader(mlp(), loader, warmup=2),
     }
     if only:  # a smoke run of some paths (coreshell's defaults always)
         keep = {p.strip() for p in only.split(",")} | {"a"}
@@ -99,7 +104,36 @@ def bench_user_path(
     for form in forms:
         rates = {name: rates_by_index[str(i)] for i, (f, name) in keyed.items() if f == form}
         rows += _form_rows(form, rates, shells[form])
+        if HYBRID in rates:
+            rows += host_rows(form, rates, shells[form], paths[form, USER_A], steps)
     return rows
+
+
+def host_rows(
+    form: str, rates: dict[str, list[float]], shell: JaxModule, shell_run: _user.Path, steps: int
+) -> list[Row]:
+    """The host's own time per step, in µs: a path's step time (per round) minus its compiled
+    step fed pre-staged batches. coreshell's is its own step (K per call as it ran); the
+    hybrid's is its jitted step. Both include the loader's time, given on its own row."""
+    loader = _user.digits_loader(form)
+    staged = {
+        USER_A: _user.shell_staged_seconds(shell, shell_run, steps),
+        HYBRID: _user.hybrid_staged_seconds(_mlp(), loader, steps),
+    }
+    bench = bench_name(form)
+    out = [
+        _stats.row(
+            bench,
+            "the loader alone (iterating it, no step)",
+            "µs per batch",
+            _user.loader_seconds(loader, steps) * 1e6,
+        )
+    ]
+    for name, seconds in staged.items():
+        per_round = [(1 / r - seconds) * 1e6 for r in rates[name]]
+        note = f"compiled step fed pre-staged batches: {seconds * 1e6:.0f} µs"
+        out.append(_stats.row(bench, f"host time of {name}", "µs per step", per_round, note=note))
+    return out
 
 
 def _form_rows(form: str, rates: dict[str, list[float]], shell: JaxModule) -> list[Row]:
@@ -169,10 +203,12 @@ def main() -> None:
     if args.tiny:
         args.rounds, args.steps, warmup = 1, 8, 8
     forms = tuple(f.strip() for f in args.forms.split(","))
+    load_before = _stats.load_average()
     rows = bench_user_path(args.rounds, args.steps, args.only, warmup, forms)
     meta: dict[str, Any] = _stats.machine()
     meta["jax_devices"] = [str(d) for d in jax.devices()]
     meta["torch_threads"] = args.torch_threads
+    print(f"load average before: {load_before}, after: {_stats.load_average()}")
     print(_stats.markdown(rows))
     if args.json:
         _stats.write_rows(args.json, rows, meta)
