@@ -236,6 +236,9 @@ def restart_optimizer(state: TrainState, tx: optax.GradientTransformation) -> Tr
         )
 
     shardings = state_shardings(state)
+    if all(x.is_fully_addressable for x in jax.tree.leaves(state)):
+        # one process: op by op, then placed as before (a jit would compile at every fit)
+        return jax.device_put(fresh(state), shardings)  # type: ignore[no-any-return]
     return jax.jit(fresh, out_shardings=shardings)(state)  # type: ignore[no-any-return]
 
 
