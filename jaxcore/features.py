@@ -22,6 +22,7 @@ Where the reflect padding at the end happens, ``reflect``:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,7 @@ def _hann(n: int) -> np.ndarray:
     return (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)).astype(np.float32)
 
 
+@partial(jax.jit, static_argnames=("sample_rate", "n_mels", "n_fft", "hop_length", "reflect"))
 def log_mel(
     waveform: jax.Array,
     lengths: jax.Array,
@@ -119,6 +121,7 @@ def log_mel(
     return x * frame_mask[..., None], frame_mask
 
 
+@partial(jax.jit, static_argnames=("margin_db", "floor_ratio", "pad", "min_frames"))
 def trim_silence(
     features: jax.Array,
     frame_mask: jax.Array,
@@ -161,6 +164,7 @@ def trim_silence(
     return kept * new_mask[..., None].astype(kept.dtype), new_mask
 
 
+@jax.jit
 def warp_mel(features: jax.Array, factor: jax.Array) -> jax.Array:
     """Rescales the mel axis of ``features[B, T, n_mels]``: band ``m`` reads ``m * factor[b]``.
 

@@ -28,6 +28,7 @@ class SpokenDigitsWaveformEncoder(SpokenDigitsEncoder):
         n_mels: mel bands.
         train_frames: training clips keep at most this many frames after trimming.
         eval_frames: evaluation clips keep at most this many.
+        augment: apply the feature augmentations below in training.
         mel_warp: training mel-axis warp, a factor in ``1 +- mel_warp`` per clip (0: off).
         freq_masks: SpecAugment band masks per training clip, each up to ``freq_mask`` bands.
         freq_mask: widest band mask.
@@ -45,6 +46,7 @@ class SpokenDigitsWaveformEncoder(SpokenDigitsEncoder):
     n_mels: int = 40
     train_frames: int = 80
     eval_frames: int = 160
+    augment: bool = True
     mel_warp: float = 0.0
     freq_masks: int = 0
     freq_mask: int = 6
@@ -55,7 +57,7 @@ class SpokenDigitsWaveformEncoder(SpokenDigitsEncoder):
         self, waveform: jax.Array, lengths: jax.Array, train: bool = False
     ) -> jax.Array:  # waveform: [B, N], lengths: [B] samples -> [B, num_classes]
         features, mask = self.features(waveform, lengths, train)
-        if train and (self.mel_warp > 0 or self.freq_masks or self.time_masks):
+        if train and self.augment and (self.mel_warp > 0 or self.freq_masks or self.time_masks):
             features = self._augment(features, mask, self.make_rng("dropout"))
         return super().__call__(features, mask, train)
 

@@ -162,6 +162,9 @@ class ModelConfig:
     inputs: list[str] = field(default_factory=lambda: ["x"])
     loss: str = "softmax_cross_entropy"
     recipe: str | None = None
+    # with data.front_end resolving to `device`: the {flax, twin, inputs} that replace the
+    # ones above (a model fed raw waveforms that computes its features in the jitted step)
+    device_front_end: Any = None
 
 
 @dataclass
@@ -260,8 +263,58 @@ def typed(cfg: DictConfig) -> Config:
             "train --cfg job prints the composed config); a data config and a model of one "
             "recipe go together (recipe=NAME)."
         ) from err
+    use_front_end(config)
     config.check()
     return config
+
+
+def use_front_end(config: Config) -> None:
+    """Resolves ``data.front_end`` (``auto``: ``device`` on an accelerator) and, for
+    ``device``, swaps in the model's ``device_front_end`` (its ``flax``, ``twin``, ``inputs``).
+
+    A data config without ``front_end`` is left alone.
+
+    Example:
+        >>> cfg = typed(compose_config(["data.front_end=device"]))
+        >>> cfg.data["front_end"], cfg.model.inputs
+        ('device', ['waveform', 'lengths'])
+    """
+    data = config.data
+    if not isinstance(data, dict) or data.get("front_end") is None:
+        return
+    from torchshell.data._front_end import resolve_front_end
+
+    try:
+        data["front_end"] = chosen = resolve_front_end(str(data["front_end"]))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if chosen != "device":
+        return
+    alt = config.model.device_front_end
+    if not alt:
+        raise ConfigError(
+            "data.front_end=device, but the model has no device_front_end (a model fed raw "
+            "waveforms). Fix: set data.front_end=host, or give the model config a "
+            "device_front_end with flax, twin and inputs (conf/model/spoken_digits.yaml)."
+        )
+    model = config.model
+    model.flax = alt.get("flax", model.flax)
+    model.twin = alt.get("twin", model.twin)
+    model.inputs = list(alt.get("inputs", model.inputs))
+    buckets = list(data.get("buckets") or [])
+    crops = {  # null crops: the data set's own (its training crop, its last bucket)
+        "train_frames": data.get("train_frames") or (buckets[-1] if buckets else None),
+        "eval_frames": buckets[-1] if buckets else None,
+    }
+    for part in (model.flax, model.twin):
+        for key, value in crops.items():
+            if isinstance(part, dict) and key in part and part[key] is None:
+                if value is None:
+                    raise ConfigError(
+                        f"model.device_front_end's {key} is null and data has no buckets to "
+                        f"take it from. Fix: set model.device_front_end.flax.{key} (and twin's)."
+                    )
+                part[key] = int(value)
 
 
 def plain(node: Any) -> Any:

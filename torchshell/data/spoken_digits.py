@@ -9,6 +9,10 @@ buckets with a frame mask:
 ``{"features": float32[B, T, n_mels], "frame_mask": bool[B, T], "y": int32[B]}``.
 A training batch is fetched whole (``__getitems__``): one resampling call per speed and one
 mel spectrogram per batch, ~4x cheaper per clip than clip by clip.
+
+With ``front_end="device"`` (:mod:`torchshell.data._front_end`) the workers stop at the
+augmented waveform: ``{"waveform": float32[B, N], "lengths": int32[B], "y": int32[B]}``, and
+the model computes the same features inside the jitted step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.utils.data import Dataset
 
 from torchshell.data._augment import Augment
 from torchshell.data._features import LogMel
+from torchshell.data._front_end import WaveCollate, resolve_front_end
 from torchshell.data._module import SplitDataModule
 from torchshell.data._spoken_digits_build import (
     DIGITS,
@@ -45,6 +50,7 @@ __all__ = [
     "SpokenDigitsDataError",
     "SpokenDigitsDataModule",
     "SpokenDigitsDataset",
+    "WaveCollate",
     "default_root",
     "ensure_spoken_digits",
     "trim_clips",
@@ -67,6 +73,9 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
         n_mels: mel bands.
         max_frames: longer clips are cropped to this many frames.
         augment: the augmentation ranges (the defaults of ``Augment`` when ``None``).
+        front_end: ``host`` (the items above) or ``device``: items are
+            ``{"waveform": float32[N], "y": int32}``, augmented in training (the waveform
+            augmentations only), the features left to the model.
 
     Example:
         >>> import tempfile
@@ -85,6 +94,7 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
         n_mels: int = 40,
         max_frames: int = 160,
         augment: Augment | None = None,
+        front_end: str = "host",
     ) -> None:
         if split not in ("train", "val", "test"):
             raise SpokenDigitsDataError(
@@ -95,6 +105,7 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
         self.train = train
         self.max_frames = max_frames
         self.augment = augment if augment is not None else Augment()
+        self.front_end = resolve_front_end(front_end)
         self.features = LogMel(n_mels=n_mels)
         self._resamplers: dict[int, nn.Module] = {}
         self._waves: dict[int, torch.Tensor] = {}
@@ -142,6 +153,11 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
             return [self[i] for i in indices]
         with torch.no_grad():
             waves, _ = self.augment.waves([self.wave(i) for i in indices])
+            if self.front_end == "device":  # log-mel, trim, crop, warp, masks: in the step
+                return [
+                    {"waveform": w, "y": torch.tensor(self.clips[i]["label"], dtype=torch.int32)}
+                    for w, i in zip(waves, indices, strict=True)
+                ]
             # silence trimmed after the waveform augmentation, before the crop and SpecAugment
             feats = [f[: self.max_frames] for f in trim_clips(self.features.many(waves))]
             lengths = [f.shape[0] for f in feats]
@@ -157,6 +173,15 @@ class SpokenDigitsDataset(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if self.train:
             return self.__getitems__([i])[0]
+        if self.front_end == "device":
+            return {
+                "waveform": self.wave(i),
+                "y": torch.tensor(self.clips[i]["label"], dtype=torch.int32),
+            }
+        return self.host_item(i)
+
+    def host_item(self, i: int) -> dict[str, torch.Tensor]:
+        """Clip ``i`` as the host front end gives it unaugmented: its trimmed log-mel frames."""
         with torch.no_grad():
             return self._item(trim_clips([self.features(self.wave(i))])[0], i)
 
@@ -232,6 +257,11 @@ class SpokenDigitsDataModule(SplitDataModule):
             clips: a test accuracy over fewer clips moves by chance. Sets of a few
             ``speakers`` (tests) are not held to it.
         seed: seeds the loaders' shuffling and the workers.
+        front_end: where the features are computed: ``host`` (the workers, torchaudio),
+            ``device`` (the model, in the jitted step: batches of
+            ``{"waveform", "lengths", "y"}``) or ``auto`` (``device`` on an accelerator); see
+            :mod:`torchshell.data._front_end`.
+        wave_buckets: sample counts waveform batches are padded to (``front_end=device``).
 
     Example:
         >>> import tempfile
@@ -264,6 +294,8 @@ class SpokenDigitsDataModule(SplitDataModule):
         augment_options: Mapping[str, Any] | None = None,
         min_test_clips: int = 0,
         seed: int = 0,
+        front_end: str = "host",
+        wave_buckets: Sequence[int] = (16_000, 24_000, 32_000),
     ) -> None:
         super().__init__()
         self.root = Path(root).expanduser() if root else default_root()
@@ -280,6 +312,9 @@ class SpokenDigitsDataModule(SplitDataModule):
         self.n_mels = n_mels
         collate = BucketCollate(buckets)
         self.collate, self.buckets = collate, collate.buckets
+        self.front_end = resolve_front_end(front_end)
+        if self.front_end == "device":
+            self.collate = WaveCollate(wave_buckets)
         if train_frames is not None and not 0 < train_frames <= self.buckets[-1]:
             raise SpokenDigitsDataError(
                 f"train_frames={train_frames}: expected 1 to the largest bucket "
@@ -315,6 +350,7 @@ class SpokenDigitsDataModule(SplitDataModule):
                 n_mels=self.n_mels,
                 max_frames=self.train_frames if split == "train" else self.buckets[-1],
                 augment=self.augment_options,
+                front_end=self.front_end,
             )
             for split in ("train", "val", "test")
         }
@@ -340,6 +376,6 @@ class SpokenDigitsDataModule(SplitDataModule):
         return {
             "wave": test.wave(i).numpy(),
             "rate": SAMPLE_RATE,
-            "features": test[i]["features"].numpy(),
+            "features": test.host_item(i)["features"].numpy(),
             "description": f"'{clip['word']}' by {clip['voice']}",
         }
