@@ -1,11 +1,12 @@
-"""``batch_idx`` as a traced ``training_step`` sees it: 0, refusing to be computed with.
+"""``batch_idx`` as a traced step hook sees it: 0, refusing to be computed with.
 
 The compiled step is traced once, for every batch: a value or a decision computed from
-``batch_idx`` (a loss weighted by it, ``if (batch_idx + 1) % N == 0: opt.step()``) would be
-the one of batch 0, silently kept for every batch, where plain Lightning passes 0, 1, 2, ...
-So any arithmetic, comparison, truth test or conversion of it raises :class:`ConfigError`
-naming ``batch_idx`` and the fix, when the first batch is traced (before any update). Passing
-it along, or printing it, still works.
+``batch_idx`` (a loss weighted by it, ``if (batch_idx + 1) % N == 0: opt.step()``, a
+``validation_step``'s ``if batch_idx == 0:``) would be the one of batch 0, silently kept for
+every batch, where plain Lightning passes 0, 1, 2, ... So any arithmetic, comparison, truth
+test or conversion of it raises :class:`ConfigError` naming ``batch_idx``, the hook and the
+fix, when the first batch is traced (before any update). Passing it along, or printing it,
+still works.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ __all__ = ["BatchIdx"]
 
 
 class BatchIdx(int):
-    """``batch_idx`` in a traced ``training_step``: 0, refusing to be computed with.
+    """``batch_idx`` in a traced step hook: 0, refusing to be computed with.
 
     Args:
         owner: the user's module's class name (for the message).
         manual: the module steps its optimizers itself (the fix differs).
+        hook: the traced hook (``training_step``, ``validation_step``, ...).
 
     Example:
         >>> idx = BatchIdx("Net", manual=False)
@@ -34,13 +36,27 @@ class BatchIdx(int):
 
     owner: str
     manual: bool
+    hook: str
 
-    def __new__(cls, owner: str = "the module", *, manual: bool = False) -> BatchIdx:
+    def __new__(
+        cls, owner: str = "the module", *, manual: bool = False, hook: str = "training_step"
+    ) -> BatchIdx:
         idx = super().__new__(cls, 0)
-        idx.owner, idx.manual = owner, manual
+        idx.owner, idx.manual, idx.hook = owner, manual, hook
         return idx
 
     def _refuse(self, *args: Any) -> Any:
+        if self.hook != "training_step":
+            stage = self.hook.removesuffix("_step")
+            raise ConfigError(
+                f"{self.owner}.{self.hook} computes with batch_idx (e.g. `if batch_idx == 0:` "
+                "or `batch_idx * n`): the compiled evaluation step is traced once for every "
+                "batch, so it would see batch_idx=0 for every batch, where plain Lightning "
+                "passes 0, 1, 2, .... Fix: move per-batch host work (logging images of the "
+                f"first batch) to on_{stage}_batch_end(outputs, batch, batch_idx), which gets "
+                "the real batch_idx and the step's outputs; compute values from a batch field "
+                "(an index your Dataset returns)."
+            )
         if self.manual:
             raise ConfigError(
                 f"{self.owner}.training_step computes with batch_idx under manual "

@@ -16,6 +16,7 @@ from torchshell import _state_io
 from torchshell._errors import ConfigError
 from torchshell._module_parts import _Shared
 from torchshell.port._optim_state import state_from_torch, state_to_torch
+from torchshell.port._weights import changed_tensors, tensor_versions
 
 __all__ = ["PortCheckpointPart"]
 
@@ -52,6 +53,47 @@ class PortCheckpointPart(_Shared):
             opt_state=jax.device_put(opt_state, shardings),
             step=jax.device_put(jnp.asarray(step, state.step.dtype), state.step.sharding),
         )
+
+    # -- what the user's host code changes in place -------------------------------------------
+    def _sync_user_weights(self) -> None:
+        """(Also keeps a copy of what was synced: :meth:`_write_back_host`.)"""
+        fresh = self._synced is not self.state
+        super()._sync_user_weights()
+        if fresh and self.state is not None and self._synced is self.state:
+            self.__dict__["_host_versions"] = tensor_versions(self.port.module)
+
+    def _write_back_host(self) -> None:
+        """Weights the user's host code changed in place since they were synced into the
+        module, into the JAX state, as plain Lightning keeps them: BatchNorm's running
+        statistics after an epoch-end ``self(z)`` in train mode, a weight clamp in
+        ``on_train_batch_end``. (Compared with a copy taken at the sync; nothing is compared
+        when no host code read the weights since the last step.)"""
+        versions = self.__dict__.get("_host_versions")
+        if self.state is None or self._synced is not self.state or not versions:
+            return
+        changed = changed_tensors(self.port.module, versions)
+        if changed:
+
+            def put(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
+                return {
+                    k: jax.device_put(
+                        bridge.as_jax(changed[k].detach().clone(), name=k).astype(v.dtype),
+                        v.sharding,
+                    )
+                    if k in changed
+                    else v
+                    for k, v in tree.items()
+                }
+
+            self.state = self.state.replace(
+                params=put(self.state.params), model_state=put(self.state.model_state)
+            )
+            self._synced = self.state
+            self.__dict__["_host_versions"] = tensor_versions(self.port.module)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self._write_back_host()
+        return super().training_step(batch, batch_idx)  # type: ignore[misc]
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

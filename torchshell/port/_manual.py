@@ -37,6 +37,7 @@ import jaxcore
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
 from torchshell.port._batch_idx import BatchIdx
+from torchshell.port._host_reads import watching_trainer
 from torchshell.port._manual_optim import ManualOptState, ManualPlan
 
 __all__ = ["BatchIdx", "ManualRun", "manual_step"]
@@ -363,6 +364,7 @@ def manual_step(
 def _call(port: Any, run: ManualRun, params: Any, model_state: Any, batch: Any, key: Any) -> Any:
     port.manual = run
     try:
-        return port.call("training_step", params, model_state, batch, key, True)
+        with watching_trainer(type(port.module).__name__, port.host_reads):
+            return port.call("training_step", params, model_state, batch, key, True)
     finally:
         port.manual = None

@@ -14,6 +14,7 @@ import jax
 
 import jaxcore
 from torchshell._errors import ConfigError
+from torchshell.port._host_reads import reads_hold
 from torchshell.port._manual import manual_step
 from torchshell.port._manual_optim import ManualPlan, map_manual
 
@@ -96,6 +97,7 @@ class ManualParts:
         }
         self.port.manual_plan = map_manual(self._pristine, named, total_steps=4 * total + 1)
         self._train_step = None  # the tables are constants of the compiled step
+        self._host_steps.clear()
         if trainer is not None and not provisional and trainer.is_global_zero:
             names = ", ".join(m.description for m in self.port.manual_plan.mapped)
             print(f"coreshell: manual optimization, optimizers {names} (mapped onto optax)")
@@ -118,6 +120,30 @@ class ManualParts:
             state_sharding=jaxcore.state_shardings(state),
             nan_policy=self.nan_policy,
         )
+
+    def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
+        """Under manual optimization, each compiled step is kept with the Trainer values its
+        trace read (``is_last_batch``...: :mod:`torchshell.port._host_reads`)."""
+        if not self.manual:
+            super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
+            return
+        self.port.host_reads = {}
+        super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
+        self._host_steps.append((dict(self.port.host_reads), self._train_step))
+
+    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
+        """The compiled step traced with the Trainer values of this batch (traced anew for
+        values none was traced with)."""
+        if self.manual and self._train_step is not None and self._host_steps:
+            self._train_step = next(
+                (s for reads, s in self._host_steps if reads_hold(self.trainer, reads)), None
+            )
+        return super()._step_for(micro, jbatch)  # type: ignore[misc,no-any-return]
+
+    @property
+    def _host_steps(self) -> list[tuple[dict[str, Any], Any]]:
+        """Compiled manual steps with the Trainer values each was traced with."""
+        return self.__dict__.setdefault("_host_step_list", [])  # type: ignore[no-any-return]
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Under manual optimization ``global_step`` counts ``opt.step()`` calls, as in

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from jaxcore import TOTAL, ModelFns
 from torchshell import trace as patterns
@@ -78,6 +79,7 @@ class LightningPort(LogCapture):
         self.manual_plan: Any = None
         self.manual: Any = None
         self.manual_steps = 1  # opt.step() calls per training_step (global_step's count)
+        self.host_reads: dict[str, Any] = {}  # Trainer values it read (port._host_reads)
         self.tracer = TorchTracer(module)
         # per hook key: the numbers and types of the batch scalars it reads (specialise)
         self.statics: dict[str, tuple[list[int], list[type]]] = {}
@@ -164,10 +166,8 @@ class LightningPort(LogCapture):
                     out: Any
                     if hook == "training_step" and self.manual_plan is not None:
                         out = self._manual_call(b)
-                    elif hook == "training_step":  # (batch_idx: 0, refused if computed with)
-                        out = self.module.training_step(b, BatchIdx(type(self.module).__name__))
-                    else:
-                        out = getattr(self.module, hook)(b, 0, *extra)
+                    else:  # (batch_idx: 0, refused if computed with)
+                        out = getattr(self.module, hook)(b, *self._batch_idx(hook), *extra)
                 finally:
                     appended = _take_appended(self.module, lists)
             if hook == "training_step":  # (every trace of it: see LightningParts._outputs_ahead)
@@ -187,10 +187,17 @@ class LightningPort(LogCapture):
         from torchshell.port._manual import ManualRun
 
         run = self.manual or ManualRun(self.manual_plan, [], [], dry=True)
-        idx = BatchIdx(type(self.module).__name__, manual=True)
         with run.installed(self.module, self.tracer.env):
-            out = self.module.training_step(batch, idx)
+            out = self.module.training_step(batch, *self._batch_idx("training_step"))
             return out, run.results()
+
+    def _batch_idx(self, hook: str) -> tuple[BatchIdx, ...]:
+        """``(batch_idx,)`` when the user's hook takes it (Lightning's own check), else ``()``
+        (e.g. ``def training_step(self, batch)``)."""
+        if not is_param_in_hook_signature(getattr(self.module, hook), "batch_idx", min_args=2):
+            return ()
+        manual = hook == "training_step" and self.manual_plan is not None
+        return (BatchIdx(type(self.module).__name__, manual=manual, hook=hook),)
 
     def manual_loss(self, returned: Any, losses: list[jax.Array]) -> jax.Array:
         """A manual step's loss: the one it returned, else its first backward call's."""

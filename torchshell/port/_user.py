@@ -229,6 +229,7 @@ class UserEvaluation:
     init_state: Any
     _to_jax: Any
     _leading: Any
+    _write_back_host: Any
 
     def _eval_step_for(self, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
         key = hook_key(hook, dataloader_idx)
@@ -262,6 +263,7 @@ class UserEvaluation:
                     "`dataloader_idx=0` to its signature (Lightning passes each loader's index)."
                 )
         fields = host_fields_out(batch)  # ids, paths: stand-ins in the step, back in `out`
+        self._write_back_host()  # (what host hooks changed in place: BatchNorm statistics)
         state = self.init_state(fields)  # (the sanity check's batch may be the first one)
         jbatch = self.port.specialise(hook, self._to_jax(fields), False, dataloader_idx)
         out, logs = self._eval_step_for(hook, dataloader_idx)(state, jbatch)

@@ -16,9 +16,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["synced_on_read"]
+__all__ = ["changed_tensors", "synced_on_read", "tensor_versions"]
 
 _READS = ("__getattr__", "_named_members", "state_dict")
 _ABSENT = object()
@@ -88,3 +89,29 @@ def synced_on_read(module: nn.Module, sync: Callable[[], None]) -> Iterator[None
         yield
     finally:
         restore()
+
+
+def tensor_versions(module: nn.Module) -> dict[str, Any]:
+    """A copy of each ``state_dict`` tensor (what :func:`changed_tensors` compares with).
+
+    (Values, not in-place version counters: BatchNorm's kernel updates its running
+    statistics without bumping them, and ``p.data.clamp_()`` bumps another tensor's.)
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.BatchNorm1d(2)
+        >>> before = tensor_versions(net)
+        >>> _ = net(torch.randn(4, 2))  # train mode: the running statistics move
+        >>> sorted(changed_tensors(net, before))
+        ['num_batches_tracked', 'running_mean', 'running_var']
+    """
+    return {k: t.detach().clone() for k, t in module.state_dict().items()}
+
+
+def changed_tensors(module: nn.Module, versions: dict[str, Any]) -> dict[str, Any]:
+    """The ``state_dict`` tensors whose values differ from ``versions``."""
+    return {
+        k: t
+        for k, t in module.state_dict().items()
+        if k in versions and not torch.equal(versions[k], t)
+    }
