@@ -145,6 +145,8 @@ class ModelConfig:
     trained as it is; ``flax`` and ``twin`` stay null. ``inputs`` are the batch keys the model
     reads; ``loss`` a name in :data:`LOSSES`. ``recipe`` names the recipe the model belongs
     to: when ``data.recipe`` is set too, the two must agree.
+    ``device_front_end`` (``{flax, twin, inputs}``) replaces those three when
+    ``data.front_end`` resolves to ``device`` (:func:`use_front_end`).
     """
 
     flax: Any = None

@@ -312,15 +312,17 @@ class SpokenDigitsDataModule(SplitDataModule):
         self.n_mels = n_mels
         collate = BucketCollate(buckets)
         self.collate, self.buckets = collate, collate.buckets
-        self.front_end = resolve_front_end(front_end)
-        if self.front_end == "device":
-            self.collate = WaveCollate(wave_buckets)
         if train_frames is not None and not 0 < train_frames <= self.buckets[-1]:
             raise SpokenDigitsDataError(
                 f"train_frames={train_frames}: expected 1 to the largest bucket "
                 f"{self.buckets[-1]}. Fix: set data.train_frames in that range, or null."
             )
         self.train_frames = train_frames or self.buckets[-1]
+        self.frame_buckets = self.buckets
+        self.front_end = resolve_front_end(front_end)
+        if self.front_end == "device":  # batches are padded waveforms: their buckets are samples
+            self.collate = WaveCollate(wave_buckets)
+            self.buckets = self.collate.buckets
         self.augment = augment
         try:
             self.augment_options = Augment(**dict(augment_options or {}))
@@ -348,7 +350,7 @@ class SpokenDigitsDataModule(SplitDataModule):
                 split,
                 train=split == "train" and self.augment,
                 n_mels=self.n_mels,
-                max_frames=self.train_frames if split == "train" else self.buckets[-1],
+                max_frames=self.train_frames if split == "train" else self.frame_buckets[-1],
                 augment=self.augment_options,
                 front_end=self.front_end,
             )

@@ -95,7 +95,7 @@ class SpokenDigitsWaveformEncoder(SpokenDigitsEncoder):
         """A sample ``(waveform[B, N], lengths[B])`` of ``frames`` frames, the rest shorter."""
         n = (frames - 1) * 160
         waveform = 0.1 * torch.randn(batch, n, generator=torch.Generator().manual_seed(0))
-        lengths = torch.full((batch,), n, dtype=torch.int64)
+        lengths = torch.full((batch,), n, dtype=torch.int32)  # as WaveCollate gives them
         lengths[1:] = n // 2
         waveform[1:, n // 2 :] = 0.0
         return waveform, lengths
