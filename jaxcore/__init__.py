@@ -10,6 +10,7 @@ from jaxcore._errors import (
 )
 from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_compile_cache
 from jaxcore.eval_step import make_eval_step, make_predict_step, make_train_forward
+from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
 from jaxcore.losses import MICRO, TOTAL, masked_mean, per_example, softmax_cross_entropy
 from jaxcore.mesh import make_mesh, set_cpu_devices
@@ -37,7 +38,7 @@ from jaxcore.state import (
     start_train_state,
     state_shardings,
 )
-from jaxcore.step import make_train_step
+from jaxcore.step import GradsHook, StepFn, k_steps, make_train_step, scale_grads, train_step
 
 __all__ = [
     "LARGEST",
@@ -48,6 +49,9 @@ __all__ = [
     "BatchError",
     "CompileStats",
     "ConfigError",
+    "GradFn",
+    "Grads",
+    "GradsHook",
     "JaxCoreError",
     "Largest",
     "MeshError",
@@ -57,13 +61,16 @@ __all__ = [
     "ShardingError",
     "ShardingPlan",
     "Step",
+    "StepFn",
     "TrainState",
+    "accumulate",
     "batch_sharding",
     "check_finite",
     "current_lr",
     "disable_compile_cache",
     "enable_compile_cache",
     "init_train_state",
+    "k_steps",
     "linen_model",
     "make_eval_step",
     "make_mesh",
@@ -81,6 +88,8 @@ __all__ = [
     "replicated",
     "resolve_dtype",
     "restart_optimizer",
+    "row_grads",
+    "scale_grads",
     "set_cpu_devices",
     "set_debug_nans",
     "sharding_rules",
@@ -88,4 +97,6 @@ __all__ = [
     "start_train_state",
     "state_sharding_fn",
     "state_shardings",
+    "train_step",
+    "unrolled",
 ]

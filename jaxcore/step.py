@@ -1,10 +1,13 @@
-"""The jitted train step over a mesh.
+"""The jitted train step over a mesh, composed from small transforms.
 
-One train step, inside one ``jax.jit``: split the batch into ``accum_steps`` micro-batches and
-``lax.scan`` over them summing masked losses and gradients (exact masked means over the whole
-batch, whatever the split); clip and update with optax; guard against NaN/Inf; and, with
-``steps_per_call=K``, ``lax.scan`` that whole step over K stacked batches so the loop and
-dispatch cost is paid once per K steps. Steps that do not train: :mod:`jaxcore.eval_step`.
+A step is a gradient function (:mod:`jaxcore.grads`: :func:`~jaxcore.grads.row_grads`, wrapped
+by :func:`~jaxcore.grads.accumulate` for micro-batches) turned into an update by
+:func:`train_step`: the exact masked means (one division by the valid rows), the gradient
+hooks in order (:func:`scale_grads`, a module's own), the optax update and, with a NaN policy,
+the guard (:mod:`jaxcore.guard`). :func:`k_steps` runs any step K times over K stacked batches
+in one ``lax.scan``, so the loop and dispatch cost is paid once per K steps.
+:func:`make_train_step` composes them from its options and jits the result. Steps that do not
+train: :mod:`jaxcore.eval_step`.
 
 Randomness: the step's key is ``fold_in(state.rng, state.step)`` and micro-batch ``i`` uses
 ``fold_in(key, i)``. JAX's partitionable threefry (the default) lets each device draw its own
@@ -15,7 +18,7 @@ per seed and step, and the same on any mesh.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,17 +26,189 @@ import jax.numpy as jnp
 import optax
 
 from jaxcore._errors import BatchError
-from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows, _micro_batches, _sums
+from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows
 from jaxcore.compile import Step, check_positive
+from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
 from jaxcore.guard import check_policy, finite_ok, guarded, input_where
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
-from jaxcore.precision import resolve_dtype
 from jaxcore.state import TrainState
 
 PyTree = Any
 
-__all__ = ["LossFn", "make_train_step"]
+__all__ = [
+    "GradsHook",
+    "LossFn",
+    "StepFn",
+    "k_steps",
+    "make_train_step",
+    "scale_grads",
+    "train_step",
+]
+
+StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+GradsHook = Callable[[TrainState, PyTree], tuple[PyTree, Metrics]]
+
+
+def scale_grads(factor: float) -> GradsHook:
+    """A gradient hook multiplying the mean gradient by ``factor`` (Lightning's last, short
+    accumulation window: ``k / accumulate_grad_batches``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> grads, metrics = scale_grads(0.5)(None, {"w": jnp.ones(2)})
+        >>> grads["w"].tolist(), metrics
+        ([0.5, 0.5], {})
+    """
+
+    def hook(state: TrainState, grads: PyTree) -> tuple[PyTree, Metrics]:
+        return jax.tree.map(lambda g: g * factor, grads), {}
+
+    return hook
+
+
+def _means(g: Grads) -> tuple[PyTree, Metrics]:
+    """The mean gradient and the step's metrics: masked sums over the valid-row count."""
+    denom = jnp.maximum(g.count, 1.0)
+    metrics = {
+        "loss": g.loss / denom,
+        **{name: v if name.startswith(TOTAL) else v / denom for name, v in g.sums.items()},
+    }
+    if g.each is not None:  # each micro-batch's own values, ``MICRO + name`` of shape [m]
+        each_sums, each_count = g.each
+        each_denom = jnp.maximum(each_count, 1.0)
+        metrics |= {
+            f"{MICRO}{name}": v / each_denom
+            for name, v in each_sums.items()
+            if not name.startswith(TOTAL)
+        }
+    return jax.tree.map(lambda v: v / denom, g.grads), metrics
+
+
+def _guarded_update(
+    state: TrainState,
+    update: Callable[[], tuple[PyTree, PyTree, PyTree]],
+    ok: jax.Array,
+    found: jax.Array | None,
+) -> TrainState:
+    """The state after ``update()`` where ``ok``, else the old one; counts a refused step,
+    remembers the first one and, when ``found`` (:func:`jaxcore.guard.input_where`), where
+    its input held NaN/Inf."""
+    where = state.nonfinite_input
+    if found is not None:
+        ok = ok & (found[0] < 0)
+        where = jnp.where((state.nonfinite_step < 0) & ~ok, found, where)
+    params, opt_state, model_state = guarded(
+        ok, update, (state.params, state.opt_state, state.model_state)
+    )
+    first = jnp.where((state.nonfinite_step < 0) & ~ok, state.step, state.nonfinite_step)
+    return dataclasses.replace(
+        state,
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        model_state=model_state,
+        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+        nonfinite_step=first,
+        nonfinite_input=where,
+    )
+
+
+def train_step(
+    grad_fn: GradFn,
+    tx: optax.GradientTransformation,
+    *,
+    hooks: Sequence[GradsHook] = (),
+    nan_policy: str = "none",
+    input_rows: Callable[[Batch], Batch] = lambda batch: batch,
+) -> StepFn:
+    """One optimizer step from a gradient function: ``step(state, batch) -> (state, metrics)``.
+
+    The step's key is ``fold_in(state.rng, state.step)``; losses, metrics and gradients are
+    exact masked means (the sums of ``grad_fn`` over its valid-row count); ``hooks`` run in
+    order on the mean gradient before ``tx`` sees it (clipping lives in ``tx``, after them),
+    each may change it and report metrics. Not jitted: :func:`make_train_step` jits it.
+
+    Args:
+        grad_fn: the step's gradient function (:mod:`jaxcore.grads`).
+        tx: the optimizer.
+        hooks: ``(state, grads) -> (grads, metrics)``; ``state`` is the one before the update.
+        nan_policy: ``"none"``, ``"skip"`` or ``"stop"`` (:mod:`jaxcore.guard`); with a guard
+            the metrics gain ``nonfinite`` (1.0 on a refused step).
+        input_rows: the batch as one batch of rows (under ``"stop"`` a batch field holding
+            NaN/Inf refuses the step, its rows numbered this way).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxcore
+        >>> from jaxcore.models.digits import MLP
+        >>> model, tx = jaxcore.linen_model(MLP(features=(8,))), jaxcore.make_optimizer()
+        >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32)}
+        >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
+        ...     mesh=jaxcore.make_mesh({"data": -1}))
+        >>> step = train_step(row_grads(model, jaxcore.softmax_cross_entropy), tx)
+        >>> st, metrics = step(st, batch)
+        >>> int(st.step), sorted(metrics)
+        (1, ['accuracy', 'loss'])
+    """
+    policy = check_policy(nan_policy)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        key = jax.random.fold_in(state.rng, state.step)
+        g = grad_fn(state.params, state.model_state, batch, key)
+        grads, metrics = _means(g)
+        for hook in hooks:
+            grads, hook_metrics = hook(state, grads)
+            metrics = {**metrics, **hook_metrics}
+
+        def update() -> tuple[PyTree, PyTree, PyTree]:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state, g.model_state
+
+        if policy == "none":
+            params, opt_state, model_state = update()
+            new = dataclasses.replace(
+                state,
+                step=state.step + 1,
+                params=params,
+                opt_state=opt_state,
+                model_state=model_state,
+            )
+            return new, metrics
+        ok = finite_ok(metrics["loss"], grads, state, policy)
+        found = input_where(input_rows(batch)) if policy == "stop" else None
+        new = _guarded_update(state, update, ok, found)
+        refused = (new.nonfinite - state.nonfinite).astype(jnp.float32)
+        return new, {**metrics, "nonfinite": refused}
+
+    return step
+
+
+def k_steps(step: StepFn, k: int) -> StepFn:
+    """``step`` run over K stacked batches (every field ``[K, B, ...]``) in one ``lax.scan``;
+    the metrics gain a leading K axis.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> def count(state, batch):
+        ...     return state + 1, {"x": batch["x"].sum()}
+        >>> state, metrics = k_steps(count, 3)(0, {"x": jnp.ones((3, 2))})
+        >>> int(state), metrics["x"].tolist()
+        (3, [2.0, 2.0, 2.0])
+    """
+
+    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
+        leading = {
+            jax.tree_util.keystr(path): v.shape[0] if v.ndim else None
+            for path, v in jax.tree_util.tree_leaves_with_path(batches)
+        }
+        if any(n != k for n in leading.values()):
+            raise BatchError(
+                f"steps_per_call={k} needs every batch field stacked as [{k}, B, ...], got "
+                f"leading sizes {leading}. Fix: stack {k} batches (e.g. np.stack) per call."
+            )
+        return jax.lax.scan(step, state, batches)
+
+    return multi_step
 
 
 def make_train_step(
@@ -55,7 +230,11 @@ def make_train_step(
     per_micro: bool = False,
     grads_fn: Callable[[TrainState, PyTree], tuple[PyTree, Metrics]] | None = None,
 ) -> Step:
-    """A jitted ``train_step(state, batch) -> (state, metrics)``.
+    """A jitted ``train_step(state, batch) -> (state, metrics)``: the transforms composed.
+
+    The options pick the transforms: ``accum_steps``/``stacked_micro``/``unrolled_micro``
+    the gradient function (:mod:`jaxcore.grads`), ``grad_scale``/``grads_fn`` the hooks and
+    ``nan_policy`` the guard of :func:`train_step`, ``steps_per_call`` :func:`k_steps`.
 
     Losses and metrics are exact masked means over the batch ``mask`` (all rows when absent),
     also across micro-batches. The state is donated, so the caller must use the returned one.
@@ -122,147 +301,34 @@ def make_train_step(
     """
     k = check_positive("steps_per_call", steps_per_call)
     m = check_positive("accum_steps", accum_steps)
-    dtype = resolve_dtype(compute_dtype)
-    dtype = None if dtype == jnp.float32 else dtype
-    policy = check_policy(nan_policy)
+    base = row_grads(model, loss_fn, compute_dtype=compute_dtype, weigh_rows=weigh_rows)
+    if unrolled_micro:
+        grad_fn = unrolled(base, per_micro=per_micro)
+    else:
+        grad_fn = accumulate(base, m, stacked=stacked_micro, per_micro=per_micro)
+    hooks = ([scale_grads(grad_scale)] if grad_scale != 1.0 else []) + (
+        [grads_fn] if grads_fn is not None else []
+    )
 
-    def sums_fn(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Any:
-        return _sums(model, loss_fn, params, model_state, batch, key, dtype, weigh_rows)
-
-    value_and_grad = jax.value_and_grad(sums_fn, has_aux=True)
-
-    def one_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        return _step(state, batch, m)
-
-    def flat_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        return _step(state, batch, 1)  # the loop-free step whose cost is analysed
-
-    def _step(state: TrainState, batch: Batch, m: int) -> tuple[TrainState, Metrics]:
-        key = jax.random.fold_in(state.rng, state.step)
-        micro_sums: Any = None  # per micro-batch: (sums, count) stacked on a leading axis
-        if unrolled_micro:
-            model_state, each = state.model_state, []
-            acc: Any = None
-            for i, mb in enumerate(batch):
-                (l_sum, (model_state, sums, c)), g = value_and_grad(
-                    state.params, model_state, mb, jax.random.fold_in(key, i)
-                )
-                new = (g, l_sum, sums, c)
-                acc = new if acc is None else jax.tree.map(jnp.add, acc, new)
-                each.append((sums, c))
-            grads, loss_sum, sums, count = acc
-            micro_sums = jax.tree.map(lambda *v: jnp.stack(v), *each)
-        elif m == 1:
-            if stacked_micro:  # (a window of one: micro-batch 0, as in a longer window)
-                batch, key = jax.tree.map(lambda v: v[0], batch), jax.random.fold_in(key, 0)
-            (loss_sum, (model_state, sums, count)), grads = value_and_grad(
-                state.params, state.model_state, batch, key
-            )
-            if stacked_micro:
-                micro_sums = jax.tree.map(lambda v: v[None], (sums, count))
-        else:
-            micro = batch if stacked_micro else _micro_batches(batch, m)
-
-            def accumulate(carry: Any, xs: Any) -> tuple[Any, Any]:
-                g_acc, l_acc, s_acc, c_acc, ms = carry
-                i, mb = xs
-                (l_sum, (ms, sums, c)), g = value_and_grad(
-                    state.params, ms, mb, jax.random.fold_in(key, i)
-                )
-                add = jax.tree.map(jnp.add, (g_acc, l_acc, s_acc, c_acc), (g, l_sum, sums, c))
-                return (*add, ms), ((sums, c) if per_micro else None)
-
-            first_micro = jax.tree.map(lambda v: v[0], micro)
-            _, (_, sums_shape, _) = jax.eval_shape(
-                sums_fn, state.params, state.model_state, first_micro, key
-            )
-            zeros = (
-                jax.tree.map(jnp.zeros_like, state.params),
-                jnp.zeros((), jnp.float32),
-                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-                jnp.zeros((), jnp.float32),
-                state.model_state,
-            )
-            (grads, loss_sum, sums, count, model_state), micro_sums = jax.lax.scan(
-                accumulate, zeros, (jnp.arange(m), micro)
-            )
-        denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        if grad_scale != 1.0:
-            grads = jax.tree.map(lambda g: g * grad_scale, grads)
-        hook_metrics: Metrics = {}
-        if grads_fn is not None:
-            grads, hook_metrics = grads_fn(state, grads)
-        loss = loss_sum / denom
-        metrics = {
-            "loss": loss,
-            **{name: v if name.startswith(TOTAL) else v / denom for name, v in sums.items()},
-            **hook_metrics,
-        }
-        if per_micro and micro_sums is not None:
-            each_sums, each_count = micro_sums
-            each_denom = jnp.maximum(each_count, 1.0)
-            metrics |= {
-                f"{MICRO}{name}": v / each_denom
-                for name, v in each_sums.items()
-                if not name.startswith(TOTAL)
-            }
-
-        def update() -> tuple[PyTree, PyTree, PyTree]:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state, model_state
-
-        if policy == "none":
-            params, opt_state, model_state = update()
-            return dataclasses.replace(
-                state,
-                step=state.step + 1,
-                params=params,
-                opt_state=opt_state,
-                model_state=model_state,
-            ), metrics
-        ok = finite_ok(loss, grads, state, policy)
-        where = state.nonfinite_input
-        if policy == "stop":  # a NaN/Inf input is refused and named (its field, its rows)
-            found = input_where(_flat_rows(batch, stacked_micro, unrolled_micro))
-            ok = ok & (found[0] < 0)
-            where = jnp.where((state.nonfinite_step < 0) & ~ok, found, where)
-        params, opt_state, model_state = guarded(
-            ok, update, (state.params, state.opt_state, state.model_state)
+    def compose(grad_fn: GradFn) -> StepFn:
+        return train_step(
+            grad_fn,
+            tx,
+            hooks=hooks,
+            nan_policy=nan_policy,
+            input_rows=lambda b: _flat_rows(b, stacked_micro, unrolled_micro),
         )
-        bad = (~ok).astype(jnp.int32)
-        first = jnp.where((state.nonfinite_step < 0) & ~ok, state.step, state.nonfinite_step)
-        new_state = dataclasses.replace(
-            state,
-            step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
-            model_state=model_state,
-            nonfinite=state.nonfinite + bad,
-            nonfinite_step=first,
-            nonfinite_input=where,
-        )
-        return new_state, {**metrics, "nonfinite": bad.astype(jnp.float32)}
 
-    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
-        leading = {
-            jax.tree_util.keystr(path): v.shape[0] if v.ndim else None
-            for path, v in jax.tree_util.tree_leaves_with_path(batches)
-        }
-        if any(n != k for n in leading.values()):
-            raise BatchError(
-                f"steps_per_call={k} needs every batch field stacked as [{k}, B, ...], got "
-                f"leading sizes {leading}. Fix: stack {k} batches (e.g. np.stack) per call."
-            )
-        return jax.lax.scan(one_step, state, batches)
-
+    one_step = compose(grad_fn)
+    # only a looping step needs the loop-free twin traced for its cost (a second trace and
+    # lowering: a third of a warm start's time to the first step, measured)
+    looping = (k > 1 or m > 1) and not unrolled_micro
+    flat = compose(accumulate(base, 1, stacked=stacked_micro)) if looping else None
     return Step(
-        one_step if k == 1 else multi_step,
+        one_step if k == 1 else k_steps(one_step, k),
         name="train_step",
         steps_per_call=k,
-        # only a looping step needs the loop-free twin traced for its cost (a second trace
-        # and lowering: a third of a warm start's time to the first step, measured)
-        cost_fn=flat_step if (k > 1 or m > 1) and not unrolled_micro else None,
+        cost_fn=flat,
         cost_args=lambda st, b: (st, _drop_leading_axes(b, int(k > 1))),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),
