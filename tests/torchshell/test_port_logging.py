@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from mlflow.tracking import MlflowClient
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from tests.torchshell.test_port import Recorder
 from tests.torchshell.test_port_manual import GAN
@@ -266,6 +266,94 @@ def test_a_training_step_passing_batch_idx_on_trains_as_plain_lightning(tmp_path
     trained, reference = runs["ported"][2].state_dict(), runs["plain"][2].state_dict()
     for k, v in reference.items():
         torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6)
+
+
+# -- evaluation hooks: batch_idx, and the rows a DistributedSampler repeats -----------------
+class Validates(Logs):
+    """A validation_step and test_step as projects write them, batch_idx passed along."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._eval_loss(batch, batch_idx))
+
+    def test_step(self, batch: Any) -> None:  # (Lightning calls it without batch_idx)
+        self.log("test_loss", self._eval_loss(batch, 0))
+
+    def _eval_loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+class FirstBatchOnly(Validates):
+    """Computes on batch_idx in validation_step: traced once, every batch would be batch 0."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self._eval_loss(batch, batch_idx)
+        if batch_idx == 0:
+            self.log("first_val_loss", loss)
+        self.log("val_loss", loss)
+
+
+def _val_data(n: int = 10, **sampler: Any) -> DataLoader:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 8, generator=g)
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+    if not sampler:
+        return DataLoader(data, batch_size=2)
+    return DataLoader(data, batch_size=2, sampler=DistributedSampler(data, **sampler))
+
+
+def test_eval_hooks_with_and_without_batch_idx_match_plain_lightning(tmp_path: Path) -> None:
+    values = {}
+    for kind in ("plain", "ported"):
+        trainer = _trainer(tmp_path / kind, Recorder(), max_epochs=1)
+        user = Validates()
+        module = user if kind == "plain" else JaxModule.from_lightning(user)
+        trainer.fit(module, _data(), _val_data())
+        val = float(trainer.callback_metrics["val_loss"])
+        values[kind] = (val, trainer.test(module, _val_data(), verbose=False)[0]["test_loss"])
+    np.testing.assert_allclose(values["ported"], values["plain"], rtol=1e-5)
+
+
+def test_a_validation_step_computing_with_batch_idx_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    user = FirstBatchOnly()
+    before = copy.deepcopy(user.state_dict())
+    trainer = _trainer(tmp_path, Recorder())  # (the sanity check traces validation_step)
+    with pytest.raises(
+        ConfigError,
+        match=r"FirstBatchOnly.validation_step computes with batch_idx.*"
+        r"Fix: .*on_validation_batch_end",
+    ):
+        trainer.fit(JaxModule.from_lightning(user), _data(), _val_data())
+    assert trainer.global_step == 0
+    for k, v in user.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_rows_a_distributed_sampler_repeats_are_not_evaluated(tmp_path: Path) -> None:
+    """10 rows over 3 replicas: replica 2 gets rows 2, 5, 8 and row 1 again (to even out the
+    shards); its validation and test values are those of rows 2, 5, 8, as in plain Lightning
+    over those rows alone (batches of 2: [2, 5], [8])."""
+    shard = {"num_replicas": 3, "rank": 2, "shuffle": False}
+    assert [int(i) for i in DistributedSampler(range(10), **shard)] == [2, 5, 8, 1]
+    own = DataLoader(Subset(_val_data().dataset, [2, 5, 8]), batch_size=2)
+    with_repeat = DataLoader(Subset(_val_data().dataset, [2, 5, 8, 1]), batch_size=2)
+    values = {}
+    for kind, loader, make in (
+        ("plain", own, lambda u: u),
+        ("repeat", with_repeat, lambda u: u),  # (what the repeat would change)
+        ("ported", _val_data(**shard), JaxModule.from_lightning),
+    ):
+        rec = Recorder()
+        trainer = _trainer(tmp_path / kind, rec, max_epochs=1, num_sanity_val_steps=0)
+        module = make(Validates())
+        trainer.fit(module, _data(), loader)
+        val = [m["val_loss"] for _, m in rec.rows if "val_loss" in m]
+        test = trainer.test(module, loader, verbose=False)
+        values[kind] = (val[-1], test[0]["test_loss"])
+    np.testing.assert_allclose(values["ported"], values["plain"], rtol=1e-5)
+    assert not np.allclose(values["repeat"], values["plain"], rtol=1e-3)
 
 
 def test_flax_path_telemetry_is_under_coreshell_and_the_bar_still_shows_the_loss(

@@ -213,7 +213,7 @@ def test_one_optimizer_patterns_match_lightning(make: Any, tmp_path: Path) -> No
 
 
 def test_scheduler_stepped_every_n_epochs_on_is_last_batch(tmp_path: Path) -> None:
-    ported, t_plain, _ = _fit_both(EveryNEpochs, _data, ("train_loss",), tmp_path, max_epochs=5)
+    _, t_plain, _ = _fit_both(EveryNEpochs, _data, ("train_loss",), tmp_path, max_epochs=5)
     # stepped after epochs 2 and 4: lr 1e-2 -> 1e-3 -> 1e-4, as in plain Lightning
     assert math.isclose(t_plain.lr_scheduler_configs[0].scheduler.get_last_lr()[0], 1e-4)
 
@@ -410,7 +410,7 @@ def test_lightning_gan_example_matches_lightning(tmp_path: Path) -> None:
     steps = 2 * 6  # (Adam: lr 0.002 per step at most, 12 generator steps)
     # (the running mean holds that bias: the same bound)
     noise = {f"generator.model.{k}": 0.002 * steps for k in ("2.bias", "3.running_mean")}
-    ported, t_plain, t_ported = _fit_both(
+    ported, _, t_ported = _fit_both(
         ExampleGAN, _gan_data, ("g_loss", "d_loss"), tmp_path, noise, max_epochs=2
     )
     assert t_ported.global_step == 2 * 2 * 6  # two opt.step() per batch

@@ -37,6 +37,7 @@ from torchshell.port._logs import (
     host_tensors,
     torch_ints,
 )
+from torchshell.port._repeats import RepeatedRows
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 
@@ -230,6 +231,8 @@ class UserEvaluation:
     _to_jax: Any
     _leading: Any
     _write_back_host: Any
+    _eval_loader: Any
+    _global_rows: Any
 
     def _eval_step_for(self, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
         key = hook_key(hook, dataloader_idx)
@@ -253,7 +256,20 @@ class UserEvaluation:
             self._eval_steps[key] = jaxcore.Step(step, name=key)
         return self._eval_steps[key]
 
-    def _run_hook(self, hook: str, batch: Any, dataloader_idx: int | None = None) -> Any:
+    def _run_hook(
+        self, hook: str, batch: Any, dataloader_idx: int | None = None, batch_idx: int = -1
+    ) -> Any:
+        """The user's ``hook`` traced on ``batch``; with ``batch_idx`` (validation and test),
+        without the rows a ``DistributedSampler`` repeated (:mod:`torchshell.port._repeats`:
+        a batch of repeats only is not evaluated)."""
+        if batch_idx >= 0:
+            repeats = self.__dict__.setdefault("_repeats", RepeatedRows())
+            loader = self._eval_loader(dataloader_idx)
+            batch = repeats.real_part(
+                loader, batch, self._global_rows(batch), batch_idx, dataloader_idx
+            )
+            if batch is None:
+                return None
         if dataloader_idx is not None:
             user_hook = getattr(self.port.module, hook)
             if not is_param_in_hook_signature(user_hook, "dataloader_idx", explicit=True):
@@ -295,11 +311,12 @@ class UserEvaluation:
     # ``dataloader_idx`` is passed by Lightning with several loaders only (the user's hook
     # then takes it too, as Lightning requires).
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        out = self._run_hook("validation_step", batch, dataloader_idx)
+        out = self._run_hook("validation_step", batch, dataloader_idx, batch_idx)
         return torch_ints(bridge.to_torch(out))  # batch-end hooks' outputs
 
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return torch_ints(bridge.to_torch(self._run_hook("test_step", batch, dataloader_idx)))
+        out = self._run_hook("test_step", batch, dataloader_idx, batch_idx)
+        return torch_ints(bridge.to_torch(out))
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         return torch_ints(bridge.to_torch(self._run_hook("predict_step", batch, dataloader_idx)))
