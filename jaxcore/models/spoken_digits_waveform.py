@@ -84,12 +84,12 @@ class SpokenDigitsWaveformEncoder(SpokenDigitsEncoder):
         k_warp, k_masks = jax.random.split(key)
         factor = 1 + self.mel_warp * jax.random.uniform(k_warp, (b,), minval=-1.0, maxval=1.0)
         out = fe.warp_mel(feats, factor) if self.mel_warp > 0 else feats
-        valid = mask.sum(axis=1).astype(jnp.float32)
-        plans = [(self.freq_mask, float(m), 2)] * self.freq_masks
+        bands = jnp.full((b,), float(m))
+        valid = mask.sum(axis=1).astype(jnp.float32)  # a frame mask stays in the clip
+        plans = [(self.freq_mask, bands, 2)] * self.freq_masks
         plans += [(self.time_mask, valid, 1)] * self.time_masks
         for i, (width, size, axis) in enumerate(plans):
             k_w, k_s = jax.random.split(jax.random.fold_in(k_masks, i))
-            size = jnp.broadcast_to(jnp.asarray(size, jnp.float32), (b,))
             w = jnp.minimum(jnp.floor(jax.random.uniform(k_w, (b,)) * (width + 1)), size)
             start = jnp.floor(jax.random.uniform(k_s, (b,)) * (size - w + 1))
             pos = jnp.arange(m if axis == 2 else t, dtype=jnp.float32)[None]

@@ -10,7 +10,7 @@ and the exported program do not depend on where training computed its features.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,7 +54,7 @@ class SpokenDigitsWaveformEncoder(SpokenDigitsEncoder):
         eval_frames: int = 160,
     ) -> None:
         super().__init__(n_mels, width, depth, heads, mlp_ratio, num_classes, dropout)
-        self.options = {
+        self.options: dict[str, Any] = {
             "n_mels": n_mels,
             "width": width,
             "depth": depth,
