@@ -205,6 +205,22 @@ class EveryNEpochs(EveryStep):
         return [optimizer], [scheduler]
 
 
+class EpochEnd(EveryNEpochs):
+    """The docs' scheduler stepped in on_train_epoch_end (there ReduceLROnPlateau's form),
+    with one that takes no value: a host hook moving the compiled step's schedule."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.compute_loss(batch))
+        opt.step()
+
+    def on_train_epoch_end(self) -> None:
+        sch = self.lr_schedulers()
+
+        sch.step()
+
+
 @pytest.mark.parametrize(
     "make", [Minimal, Clipped, Closure, Toggled, EveryStep], ids=lambda m: m.__name__
 )
@@ -216,6 +232,13 @@ def test_scheduler_stepped_every_n_epochs_on_is_last_batch(tmp_path: Path) -> No
     _, t_plain, _ = _fit_both(EveryNEpochs, _data, ("train_loss",), tmp_path, max_epochs=5)
     # stepped after epochs 2 and 4: lr 1e-2 -> 1e-3 -> 1e-4, as in plain Lightning
     assert math.isclose(t_plain.lr_scheduler_configs[0].scheduler.get_last_lr()[0], 1e-4)
+
+
+def test_scheduler_stepped_in_on_train_epoch_end(tmp_path: Path) -> None:
+    _, _, t_ported = _fit_both(EpochEnd, _data, ("train_loss",), tmp_path, max_epochs=3)
+    t_ported.save_checkpoint(tmp_path / "ported.ckpt")
+    ckpt = torch.load(tmp_path / "ported.ckpt", weights_only=False)
+    assert ckpt["lr_schedulers"][0]["last_epoch"] == 3  # (stepped after each epoch)
 
 
 # -- several optimizers: the docs' SimpleGAN and Lightning's GAN example ----------------------

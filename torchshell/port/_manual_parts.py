@@ -39,6 +39,7 @@ class ManualParts:
     _trainer: Any
     _returned: Any
     _pristine: Any
+    _synced: Any
     steps_per_call: int
     accum_steps: int
 
@@ -178,6 +179,27 @@ class ManualParts:
         every = max(int(self.trainer.log_every_n_steps), 1)
         return (self._log_step() + 1) % every == 0
 
+    def _host_schedulers(self) -> Any:
+        """``self.lr_schedulers()`` in the user's host hooks (``on_train_epoch_end``...) under
+        manual optimization: each one's ``step()`` steps the torch scheduler and moves the
+        compiled step's schedule of its optimizer one entry on, as the traced
+        ``sch.step()`` does."""
+        pairs = zip(self.trainer.lr_scheduler_configs, self.manual_plan.sched_opt, strict=True)
+        out = [_HostScheduler(self, c.scheduler, i) for c, i in pairs]
+        return (out[0] if len(out) == 1 else out) or None
+
+    def _step_schedule(self, opt_index: int) -> None:
+        """One ``sch.step()`` of optimizer ``opt_index``'s scheduler, on the JAX state."""
+        if self.state is None:
+            return
+        synced = self._synced is self.state
+        opt_state = list(self.state.opt_state)
+        own = opt_state[opt_index]
+        opt_state[opt_index] = own._replace(sched=own.sched + 1)
+        self.state = self.state.replace(opt_state=tuple(opt_state))
+        if synced:  # (the weights did not change)
+            self._synced = self.state
+
     def _manual_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Each optimizer's and scheduler's state as plain Lightning writes them."""
         optimizers, schedulers = self.manual_plan.to_torch(jax.device_get(self.state.opt_state))
@@ -194,3 +216,25 @@ class ManualParts:
         )
         shardings = jax.tree.map(lambda x: x.sharding, state.opt_state)
         return state.replace(opt_state=jax.device_put(opt_state, shardings))
+
+
+class _HostScheduler:
+    """A scheduler as the user's host hooks see it under manual optimization."""
+
+    def __init__(self, parts: ManualParts, scheduler: Any, opt_index: int) -> None:
+        self._parts, self._scheduler, self._opt_index = parts, scheduler, opt_index
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Steps the torch scheduler and the compiled step's schedule."""
+        if args or kwargs:
+            raise ConfigError(
+                "scheduler.step(value) in a hook: from_lightning maps schedulers stepped "
+                "without arguments. Fix: call sch.step() with none."
+            )
+        # (its optimizer was stepped, in the compiled step: torch's order check passes)
+        self._scheduler.optimizer._opt_called = True
+        self._scheduler.step()
+        self._parts._step_schedule(self._opt_index)
+
+    def __getattr__(self, name: str) -> Any:  # get_last_lr(), state_dict(), ...
+        return getattr(self._scheduler, name)

@@ -203,11 +203,14 @@ class LightningParts(
             ours(*args, **kwargs)
             user = self.port.module
             user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
+            if self.manual:  # (its sch.step() moves the compiled step's schedule)
+                user.lr_schedulers = self._host_schedulers  # type: ignore[method-assign]
             try:
                 with synced_on_read(user, self._sync_user_weights):
                     return theirs(*args, **kwargs)
             finally:
                 del user.log, user.log_dict
+                user.__dict__.pop("lr_schedulers", None)
 
         return both
 
