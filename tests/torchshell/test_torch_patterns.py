@@ -146,8 +146,10 @@ def test_writes_through_a_view_by_a_mask_or_index_tensors_match_torch():
 
 
 def test_attention_of_a_ported_encoder_computes_in_the_step_compute_dtype():
-    # torch's math attention (the path a trace takes) upcasts bf16 to float32; its fused
-    # kernels (what a torch user gets on a GPU) do not: the port follows the fused kernels
+    # torch's math attention upcasts bf16 to float32; its fused kernels (what a torch user
+    # gets on a GPU) do not: the port follows the fused kernels. The attention is one
+    # jax.nn.dot_product_attention call (torchshell/trace/_attention.py): its logits dots
+    # multiply bf16 by bf16 accumulating in float32 (the dot's algorithm says so), as those do
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
     fns = torch_model_fns(layer)
@@ -161,8 +163,16 @@ def test_attention_of_a_ported_encoder_computes_in_the_step_compute_dtype():
 
     step = jaxcore.make_train_step(fns, mse, tx, compute_dtype=jnp.bfloat16)
     text = step.lower(state, batch).as_text()
-    results = re.findall(r"stablehlo.dot_general .*-> tensor<[\dx]*x(\w+)>", text)
+    dots = re.findall(r"stablehlo.dot_general .*", text)
+    bf16_in_f32_out = (
+        "lhs_precision_type = bf16, rhs_precision_type = bf16, accumulation_type = f32"
+    )
+    results = [
+        "bf16" if re.search(r"-> tensor<[\dx]*xbf16>", d) or bf16_in_f32_out in d else d
+        for d in dots
+    ]
     assert len(results) >= 12 and set(results) == {"bf16"}, results
+    assert sum(bf16_in_f32_out in d for d in dots) == 3  # the logits, forward and backward
     assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()  # restored
 
 

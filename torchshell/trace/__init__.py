@@ -16,7 +16,9 @@ torchax alone stops there. The environment here traces four such patterns instea
   (:class:`Reads`, :mod:`torchshell._torch_static`).
 
 Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, :mod:`._rnnt` for
-torchaudio's RNN-T loss, and :mod:`torchshell._ctc` for the CTC loss).
+torchaudio's RNN-T loss, :mod:`torchshell._ctc` for the CTC loss, and :mod:`._attention`:
+``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` as one fused
+``jax.nn.dot_product_attention`` call).
 """
 
 from torchshell.trace._env import check_class_target, environment, tracing

@@ -18,6 +18,7 @@ from torchshell._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell._errors import TorchModelError
 from torchshell._hf import uncached
 from torchshell._packed import packed_as_masks
+from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._lowerings import (
     WINDOWS,
@@ -80,6 +81,24 @@ def environment(reads: Reads) -> Any:
             needs_env=False,
             is_view_op=False,
         )
+    # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
+    for function in (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
+        env._ops[function] = ops_registry.Operator(
+            function,
+            sdpa,
+            is_jax_function=True,
+            is_user_defined=True,
+            needs_env=True,
+            is_view_op=False,
+        )
+    env._ops[F.multi_head_attention_forward] = ops_registry.Operator(
+        F.multi_head_attention_forward,
+        mha_forward,
+        is_jax_function=False,
+        is_user_defined=True,
+        needs_env=True,
+        is_view_op=False,
+    )
     scalar_reads(env, reads)
     env.dispatch = folded_when_concrete(env.dispatch)
     # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
@@ -170,12 +189,11 @@ def tracing() -> Iterator[None]:
     predictions, a shape that depends on values), so its functional metrics
     (``torchmetrics.functional.accuracy(preds, y, task="multiclass", ...)``) trace.
 
-    Attention (``F.scaled_dot_product_attention``) always takes torch's math path here, which
-    by default computes bfloat16/float16 inputs in float32; torch's fused kernels, which a
-    torch user gets on a GPU, keep them in the reduced precision (accumulating in float32, as
-    XLA's dots do). The math path is allowed the same while tracing
-    (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``): under ``bf16-mixed`` the
-    attention matmuls of a ported ``nn.TransformerEncoder`` were float32, the rest bfloat16.
+    Attention (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``) is one fused
+    ``jax.nn.dot_product_attention`` call (:mod:`._attention`). What torch still computes by
+    its math path (``nn.MultiheadAttention``'s weights with ``need_weights=True``) is allowed
+    to keep bfloat16/float16 while tracing, as torch's fused kernels do on a GPU
+    (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``).
     """
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # nested tensors, fused MHA: math path
