@@ -1,6 +1,6 @@
 """bridge: torch <-> JAX hand-over (DLPack) and param tree <-> state_dict conversion."""
 
-from bridge._batch import pad_batch, round_up, to_jax
+from bridge._batch import pad_batch, round_up, rows, to_jax
 from bridge._convert import as_jax, as_numpy, as_torch, narrow
 from bridge._dlpack import to_torch
 from bridge._errors import (
@@ -53,6 +53,7 @@ __all__ = [
     "path_str",
     "prefetch",
     "round_up",
+    "rows",
     "save_safetensors",
     "state_dict_sources",
     "to_jax",

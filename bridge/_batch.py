@@ -22,6 +22,44 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+_ARRAYS = (torch.Tensor, np.ndarray, jax.Array)
+
+
+def rows(batch: PyTree, *, skip: tuple[str, ...] = ()) -> int:
+    """The rows of a batch: the leading size of its first array with a dimension.
+
+    The one definition of a batch's row count (Lightning's batch size): arrays are torch
+    tensors, numpy and JAX arrays, read in the batch's own order through dicts, lists and
+    tuples; anything else (strings, stand-ins of host-only fields) and 0-d arrays hold none.
+
+    Args:
+        batch: a collated batch (a tensor, or a dict/list/tuple nesting them).
+        skip: top-level keys of a dict batch not to count (e.g. ``("mask",)``).
+
+    Returns:
+        The row count, or 0 when the batch holds no array with a dimension.
+
+    Example:
+        >>> import torch
+        >>> rows({"n": torch.tensor(3), "x": torch.ones(5, 2)}), rows([torch.ones(4)])
+        (5, 4)
+        >>> rows({"mask": torch.ones(8), "y": torch.ones(6)}, skip=("mask",)), rows({})
+        (6, 0)
+    """
+    if isinstance(batch, Mapping):
+        items = (v for k, v in batch.items() if k not in skip)
+    elif isinstance(batch, (list, tuple)):
+        items = iter(batch)
+    elif isinstance(batch, _ARRAYS):
+        return int(batch.shape[0]) if batch.ndim else 0
+    else:
+        return 0
+    for item in items:
+        if n := rows(item):
+            return n
+    return 0
+
+
 def _leading(tree: PyTree) -> int:
     sizes = {name: t.shape[0] for name, t in leaves(tree, _is_tensor) if t.dim() > 0}
     if len(set(sizes.values())) != 1:

@@ -19,6 +19,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from flax.errors import FlaxError
 
+import bridge
 from jaxcore import BatchError
 
 Batch = Mapping[str, Any]
@@ -96,16 +97,15 @@ def positional_keys(inputs: Sequence[int]) -> tuple[str, ...]:
 
 
 def rows(batch: Batch) -> int:
-    """The leading size of the first field with a batch dimension.
+    """The batch's rows (:func:`bridge.rows`), refusing a batch that has none.
 
     Example:
         >>> import torch
         >>> rows({"x": torch.ones(5, 2)})
         5
     """
-    for t in batch.values():
-        if isinstance(t, torch.Tensor) and t.dim():
-            return int(t.shape[0])
+    if n := bridge.rows(batch):
+        return n
     raise BatchError(
         f"The batch has no tensor field with a batch dimension: {sorted(batch)}. Fix: "
         "return tensors from the Dataset and let the DataLoader collate them."

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+import bridge
 from jaxcore import BatchError
 from torchshell._embedding import EmbeddingChecks
 
@@ -85,13 +86,6 @@ def embed_fields(init: Any, batch: Mapping[str, Any]) -> dict[str, int]:
     except Exception:  # a batch the model cannot read: the step itself says why, clearly
         return {}
     return found
-
-
-def _rows(batch: Mapping[str, Any]) -> int | None:
-    for key, t in batch.items():
-        if key != "mask" and isinstance(t, torch.Tensor) and t.dim():
-            return int(t.shape[0])
-    return None
 
 
 def _check_length(key: str, t: torch.Tensor) -> None:
@@ -157,7 +151,7 @@ def check_lengths_and_masks(batch: Mapping[str, Any], *, row_mask: bool = True) 
     lengths, masks = _checked_fields(tuple(batch))
     if not lengths and not masks:  # (the common case: one look-up per batch)
         return
-    rows = _rows(batch)
+    rows = bridge.rows(batch, skip=("mask",)) or None
     for key in lengths:
         t = batch[key]
         if isinstance(t, torch.Tensor) and t.dim():
