@@ -4,7 +4,8 @@ The encoder (d=512, 6 pre-norm transformer layers, 8 heads, MLP 2048, 1,500 fram
 log-mel features projected in, mean-pooled to 10 classes) trains with Adam, computing in
 bfloat16 (float32 params and optimizer state) in three ways, on the same batch shapes:
 
-- (r) the pure Flax reference: one ``jax.jit`` step over batches already on the device;
+- (r) the pure Flax reference: one ``jax.jit`` step over batches already on the device; its
+  attention is the recipes' fused call (``jaxcore.models.attention.attend``), as in (a);
 - (a) coreshell: ``JaxModule`` under ``lightning.Trainer(precision="bf16-mixed")`` fed by a
   torch ``DataLoader`` (each batch crosses host -> device: the user's path);
 - (t) ``JaxModule.from_torch`` on the same encoder written in torch
@@ -46,10 +47,28 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import jaxcore  # noqa: E402
 from benchmarks import _peers, _stats  # noqa: E402
+from jaxcore.models.attention import attend  # noqa: E402
 
 FULL = {"d": 512, "layers": 6, "heads": 8, "mlp": 2048, "frames": 1500, "mels": 80}
 TINY = {"d": 32, "layers": 1, "heads": 2, "mlp": 64, "frames": 50, "mels": 8}
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+class FusedSelfAttention(nn.Module):
+    """``nn.MultiHeadDotProductAttention``'s projections (``query``/``key``/``value``/``out``)
+    around the recipes' attention call (``jaxcore.models.attention.attend``: cuDNN's fused
+    kernel on a GPU in bf16), not Flax's own, which materialises every head's scores."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        d = x.shape[-1]
+        q, k, v = (
+            nn.DenseGeneral((self.heads, d // self.heads), name=name)(x)
+            for name in ("query", "key", "value")
+        )
+        return nn.DenseGeneral(d, axis=(-2, -1), name="out")(attend(q, k, v))
 
 
 class FlaxEncoder(nn.Module):
@@ -63,7 +82,7 @@ class FlaxEncoder(nn.Module):
         h = nn.Dense(self.d, name="proj")(x)
         for i in range(self.layers):
             y = nn.LayerNorm(epsilon=1e-5, name=f"ln1_{i}")(h)
-            h = h + nn.MultiHeadDotProductAttention(self.heads, name=f"attn_{i}")(y, y)
+            h = h + FusedSelfAttention(self.heads, name=f"attn_{i}")(y)
             y = nn.LayerNorm(epsilon=1e-5, name=f"ln2_{i}")(h)
             y = nn.Dense(self.mlp, name=f"fc1_{i}")(y)
             h = h + nn.Dense(self.d, name=f"fc2_{i}")(nn.gelu(y, approximate=False))
