@@ -162,7 +162,7 @@ def _math(
     e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(e, axis=-1, keepdims=True)
     probs = e / jnp.where(total == 0, 1.0, total)
-    if dropout_p > 0.0:
+    if rng is not None and dropout_p > 0.0:  # sdpa passes a key exactly then
         kept = jax.random.bernoulli(rng, 1.0 - dropout_p, probs.shape)
         probs = jnp.where(kept, probs / (1.0 - dropout_p), 0.0)
     out = jnp.einsum("...ls,...sv->...lv", probs.astype(value.dtype), value)
