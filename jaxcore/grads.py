@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcore._sums import LossFn, Metrics, _micro_batches, _sums
+from jaxcore.guard import NO_CHECK, checking
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import resolve_dtype
 
@@ -36,6 +37,8 @@ class Grads(NamedTuple):
         count: the valid rows (``1`` per micro-batch when rows are not weighed).
         model_state: the model state after the forward passes (e.g. batch statistics).
         each: per micro-batch ``(sums, count)`` on a leading axis, or ``None``.
+        check: ``int32[2]``, the first failed input check's ``[code, value]`` over the
+            micro-batches (:func:`jaxcore.guard.input_check`; ``NO_CHECK``), or ``None``.
     """
 
     grads: PyTree
@@ -44,6 +47,7 @@ class Grads(NamedTuple):
     count: jax.Array
     model_state: PyTree
     each: Any = None
+    check: Any = None
 
 
 GradFn = Callable[[PyTree, PyTree, Batch, jax.Array], Grads]
@@ -76,23 +80,34 @@ def row_grads(
     dtype = None if dtype == jnp.float32 else dtype
 
     def sums_fn(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Any:
-        return _sums(model, loss_fn, params, model_state, batch, key, dtype, weigh_rows)
+        with checking(batch) as checks:  # (an embedding's index range, reported in the pass)
+            loss, aux = _sums(model, loss_fn, params, model_state, batch, key, dtype, weigh_rows)
+            return loss, (*aux, checks.result())
 
     value_and_grad = jax.value_and_grad(sums_fn, has_aux=True)
 
     def grad_fn(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Grads:
-        (loss, (new_state, sums, count)), grads = value_and_grad(params, model_state, batch, key)
-        return Grads(grads, loss, sums, count, new_state)
+        (loss, (new_state, sums, count, check)), grads = value_and_grad(
+            params, model_state, batch, key
+        )
+        return Grads(grads, loss, sums, count, new_state, check=check)
 
     return grad_fn
 
 
+def _first_check(a: Any, b: Any) -> Any:
+    """The earlier micro-batch's failed input check, else the later one's."""
+    if a is None or b is None:
+        return b if a is None else a
+    return jnp.where(a[0] >= 0, a, b)
+
+
 def _add(a: Grads, b: Grads) -> Grads:
     """Sums of two micro-batches; the model state is the later one's."""
-    total = jax.tree.map(
+    grads, loss, sums, count = jax.tree.map(
         jnp.add, (a.grads, a.loss, a.sums, a.count), (b.grads, b.loss, b.sums, b.count)
     )
-    return Grads(*total, b.model_state)
+    return Grads(grads, loss, sums, count, b.model_state, check=_first_check(a.check, b.check))
 
 
 def accumulate(
@@ -140,7 +155,8 @@ def accumulate(
         first = jax.tree.map(lambda v: v[0], micro)
         shapes = jax.eval_shape(grad_fn, params, model_state, first, key)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)._replace(
-            model_state=model_state
+            model_state=model_state,
+            check=None if shapes.check is None else jnp.array(NO_CHECK, jnp.int32),
         )
         total, each = jax.lax.scan(body, zeros, (jnp.arange(m), micro))
         return total._replace(each=each)

@@ -11,16 +11,28 @@ not finite does not apply its update (params, optimizer and model state keep the
   also refuses a batch whose floating fields hold NaN/Inf, and
   ``TrainState.nonfinite_input`` remembers which field and rows (:func:`input_where`): the
   error then names the input, not the learning rate. No host pass over the batch.
+
+**Input checks** (:func:`input_check`): an op of the model (an embedding's index range)
+reports, while the step is traced, that its input is invalid; the step folds every report
+into one ``[code, value]`` (:data:`NO_CHECK` when none fails), refuses the update under
+``skip``/``stop`` and ``TrainState.nonfinite_input`` remembers the check (``[CHECKED, code,
+value, ...]``), so :func:`check_finite` raises the check's own message. Flax's ``nn.Embed``
+is checked this way by every train step (:func:`checking`); the torch ops report from the
+shell. One min/max reduction per index array, no host pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
+from jax.extend import core as jex_core
 
 from jaxcore._errors import BatchError, ConfigError, NonFiniteError
 
@@ -29,6 +41,8 @@ PyTree = Any
 NAN_POLICIES = ("none", "skip", "stop")
 INPUT_ROWS = 5  # how many bad rows of an input field the state remembers
 NO_INPUT = (-1,) * (2 + INPUT_ROWS)  # ``TrainState.nonfinite_input`` while every input is finite
+CHECKED = -2  # ``nonfinite_input[0]`` when an input check refused the step: [CHECKED, code, value]
+NO_CHECK = (-1, 0)  # the ``[code, value]`` of a step whose input checks all passed
 
 
 def check_policy(nan_policy: str) -> str:
@@ -89,6 +103,151 @@ def input_where(batch: PyTree) -> jax.Array:
     return jax.lax.cond(jnp.any(jnp.stack([b.any() for b in bad])), locate, lambda: none)
 
 
+_CODES: dict[str, int] = {}  # an input check's message -> its code (interned, per process)
+_MESSAGES: list[str] = []  # and back
+
+
+class InputChecks:
+    """The input checks reported while one (micro-)batch's forward pass is traced.
+
+    Made by :func:`checking`; :meth:`result` folds them into ``int32[2]``: ``[code, value]``
+    of the first failed check in program order, :data:`NO_CHECK` when none failed.
+    """
+
+    def __init__(self, batch: PyTree) -> None:
+        self.trace = jex_core.get_opaque_trace_state(convention="jaxcore")
+        self.fields = {
+            id(leaf): jax.tree_util.keystr(path)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(batch)
+        }
+        self.found: list[tuple[int, jax.Array, jax.Array]] = []
+
+    def result(self) -> jax.Array:
+        where = jnp.array(NO_CHECK, jnp.int32)
+        for code, bad, value in reversed(self.found):  # the first failed check wins
+            where = jnp.where(bad, jnp.stack([jnp.int32(code), value]), where)
+        return where
+
+
+_REPORTS: contextvars.ContextVar[InputChecks | None] = contextvars.ContextVar(
+    "jaxcore_input_checks", default=None
+)
+
+
+def input_check(bad: jax.Array, value: jax.Array, message: str) -> None:
+    """Reports, from inside a forward pass a train step traces, whether its input is invalid.
+
+    Where ``bad`` holds, the step refuses its update (``nan_policy`` ``"skip"``/``"stop"``)
+    and :func:`check_finite` raises ``BatchError(message)`` with ``{value}`` (``value``) and
+    ``{step}`` filled in. Outside a step's trace (an eager call, ``init``, an eval step) and
+    inside a transform of the model's own (``lax.cond``, ``scan``) it does nothing.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> input_check(jnp.bool_(True), jnp.int32(7), "bad {value}")  # (no step: nothing)
+    """
+    reports = _REPORTS.get()
+    if reports is None or jex_core.get_opaque_trace_state(convention="jaxcore") != reports.trace:
+        return
+    code = _CODES.setdefault(message, len(_CODES))
+    if code == len(_MESSAGES):
+        _MESSAGES.append(message)
+    reports.found.append((code, jnp.asarray(bad, bool), jnp.asarray(value, jnp.int32)))
+
+
+def index_check(indices: jax.Array, rows: int, message: str) -> None:
+    """:func:`input_check` of indices into a table of ``rows`` rows: refused outside
+    ``[0, rows)``, ``{value}`` the largest index past the table (else the smallest below 0).
+    One min and one max reduction.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> index_check(jnp.array([1, 40]), 30, "index {value} past 30")  # (no step: nothing)
+    """
+    if _REPORTS.get() is None or not indices.size:
+        return
+    low, high = jnp.min(indices), jnp.max(indices)
+    input_check((low < 0) | (high >= rows), jnp.where(high >= rows, high, low), message)
+
+
+def _escaped(text: str) -> str:
+    return text.replace("{", "(").replace("}", ")")
+
+
+def _embed_bounds(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+    """Flax ``nn.Embed.__call__``: its ids checked against the table (like torch's
+    ``IndexError``) before the gather fills the rows past it with NaN."""
+    reports = _REPORTS.get()
+    module = context.module
+    if (
+        reports is not None
+        and isinstance(module, nn.Embed)
+        and context.method_name == "__call__"
+        and args
+        and jnp.issubdtype(jnp.result_type(args[0]), jnp.integer)
+    ):
+        rows = int(module.num_embeddings)
+        field = reports.fields.get(id(args[0]))
+        table = _escaped("/".join(str(p) for p in getattr(module, "path", ())) or module.name or "")
+        what = f"The batch field {_escaped(field)}" if field else "An index computed in the model"
+        fix = (
+            "map the ids into the vocabulary in the Dataset (an unknown-token id)"
+            if field
+            else "check how the model computes those indices"
+        )
+        index_check(
+            args[0],
+            rows,
+            f"{what} indexes the Flax nn.Embed {table} of {rows} rows, but holds {{value}} at "
+            f"step {{step}} (torch raises IndexError: index out of range). Expected ids in "
+            f"[0, {rows - 1}]; the step was refused and the state holds the params from "
+            f"before it. Fix: {fix}, or build the nn.Embed with num_embeddings > {{value}}.",
+        )
+    return next_fun(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def checking(batch: PyTree) -> Iterator[InputChecks]:
+    """While a train step traces its forward pass on ``batch``: collects the
+    :func:`input_check` reports (and checks every Flax ``nn.Embed``'s ids).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def forward(ids):
+        ...     with checking({"ids": ids}) as checks:
+        ...         index_check(ids, 30, "id {value} past the table")
+        ...         return checks.result()
+        >>> jax.jit(forward)(jnp.array([3, 49])).tolist()[1]
+        49
+    """
+    reports = InputChecks(batch)
+    token = _REPORTS.set(reports)
+    try:
+        with nn.intercept_methods(_embed_bounds):
+            yield reports
+    finally:
+        _REPORTS.reset(token)
+
+
+def checked(check: jax.Array) -> jax.Array:
+    """A step's ``[code, value]`` (:meth:`InputChecks.result`) as ``nonfinite_input``:
+    ``[CHECKED, code, value, -1, ...]`` when a check failed, else :data:`NO_INPUT`."""
+    failed = jnp.concatenate(
+        [jnp.array([CHECKED], jnp.int32), check.astype(jnp.int32), jnp.full(INPUT_ROWS - 1, -1)]
+    ).astype(jnp.int32)
+    return jnp.where(check[0] >= 0, failed, jnp.array(NO_INPUT, jnp.int32))
+
+
+def _check_message(code: int, value: int, step: int) -> str:
+    if 0 <= code < len(_MESSAGES):
+        return _MESSAGES[code].replace("{value}", str(value)).replace("{step}", str(step))
+    return (  # (a state restored from another process: its messages are not known here)
+        f"An input check (#{code}) of the model refused step {step} (it saw {value}); the "
+        "state holds the params from before that step. Fix: check the batch's index fields "
+        "(e.g. ids past an embedding table)."
+    )
+
+
 def guarded(ok: jax.Array, update: Callable[[], PyTree], old: PyTree) -> PyTree:
     """``update()`` where ``ok`` else ``old``, with no host sync.
 
@@ -111,7 +270,7 @@ def check_finite(state: Any, fields: Sequence[str] | None = None) -> None:
 
     Raises:
         BatchError: the step was refused because its input held NaN/Inf (the field, its
-            first bad rows and the fix).
+            first bad rows and the fix), or failed an :func:`input_check` (its message).
         NonFiniteError: the loss or gradients were NaN/Inf on a finite input.
 
     Example:
@@ -126,6 +285,8 @@ def check_finite(state: Any, fields: Sequence[str] | None = None) -> None:
         (state.nonfinite, state.nonfinite_step, state.nonfinite_input)
     )
     count, first = int(count), int(first)
+    if count and int(where[0]) == CHECKED:
+        raise BatchError(_check_message(int(where[1]), int(where[2]), first))
     if count and int(where[0]) >= 0:
         index, rows = int(where[0]), int(where[1])
         name = fields[index] if fields is not None and index < len(fields) else f"#{index}"

@@ -29,7 +29,7 @@ from jaxcore._errors import BatchError
 from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows
 from jaxcore.compile import Step, check_positive
 from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
-from jaxcore.guard import check_policy, finite_ok, guarded, input_where
+from jaxcore.guard import check_policy, checked, finite_ok, guarded, input_where
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.state import TrainState
@@ -92,11 +92,11 @@ def _guarded_update(
     found: jax.Array | None,
 ) -> TrainState:
     """The state after ``update()`` where ``ok``, else the old one; counts a refused step,
-    remembers the first one and, when ``found`` (:func:`jaxcore.guard.input_where`), where
-    its input held NaN/Inf."""
+    remembers the first one and, when ``found`` (:func:`jaxcore.guard.input_where`,
+    :func:`jaxcore.guard.checked`), where its input held NaN/Inf or failed a check."""
     where = state.nonfinite_input
     if found is not None:
-        ok = ok & (found[0] < 0)
+        ok = ok & (found[0] == -1)
         where = jnp.where((state.nonfinite_step < 0) & ~ok, found, where)
     params, opt_state, model_state = guarded(
         ok, update, (state.params, state.opt_state, state.model_state)
@@ -136,7 +136,9 @@ def train_step(
         nan_policy: ``"none"``, ``"skip"`` or ``"stop"`` (:mod:`jaxcore.guard`); with a guard
             the metrics gain ``nonfinite`` (1.0 on a refused step).
         input_rows: the batch as one batch of rows (under ``"stop"`` a batch field holding
-            NaN/Inf refuses the step, its rows numbered this way).
+            NaN/Inf refuses the step, its rows numbered this way). With a guard, a failed
+            input check of the forward pass (:func:`jaxcore.guard.input_check`, e.g. an
+            embedding's index range) refuses the step too.
 
     Example:
         >>> import jax.numpy as jnp, jaxcore
@@ -176,6 +178,9 @@ def train_step(
             return new, metrics
         ok = finite_ok(metrics["loss"], grads, state, policy)
         found = input_where(input_rows(batch)) if policy == "stop" else None
+        if g.check is not None:  # an input check (embedding index range) failed: refused
+            failed = checked(g.check)
+            found = failed if found is None else jnp.where(found[0] >= 0, found, failed)
         new = _guarded_update(state, update, ok, found)
         refused = (new.nonfinite - state.nonfinite).astype(jnp.float32)
         return new, {**metrics, "nonfinite": refused}

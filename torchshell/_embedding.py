@@ -1,11 +1,14 @@
 """``nn.Embedding`` in a traced step, as torch has it: index checks and ``padding_idx``.
 
 torch raises ``IndexError`` for an index past the table; JAX's gather fills it (NaN rows),
-the loss turns NaN and the NaN guard blames the learning rate. While a step is traced, the
-embedding op records which *batch fields* feed a table directly (the common case: token
-ids); the shell then checks those fields on the host before each step, and an index out of
-range is refused with the field, the table size and the value, as torch would refuse it.
-Indices computed inside the model are not checked (they still end in NaN and the guard).
+the loss turns NaN and the NaN guard would blame the learning rate. The embedding op here
+checks every index array it gets inside the compiled step (one min and one max reduction,
+:func:`jaxcore.guard.index_check`): the batch fields that feed a table directly (token ids)
+and indices computed inside the model alike. A step holding one out of range is refused
+(``nan_policy`` ``"skip"``/``"stop"``: no NaN reaches the weights) and, under ``"stop"``,
+the shell raises at the logging cadence (:func:`jaxcore.check_finite`) a ``BatchError``
+naming the field (or the table, for a computed index), the table's size, a bad value and
+the fix. No host pass over the batch.
 
 torch also never updates the ``padding_idx`` row from the positions holding it; a plain
 gather would. The op here stops the gradient at those positions.
@@ -14,7 +17,6 @@ gather would. The op here stops the gradient at those positions.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,37 +24,76 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxcore import BatchError
+from jaxcore.guard import index_check
 from torchshell._errors import TorchModelError
 
-__all__ = ["EmbeddingChecks"]
+__all__ = ["EmbeddingChecks", "embedding_message"]
+
+
+def embedding_message(rows: int, field: str | None, table: str | None = None) -> str:
+    """The error of an index outside an embedding table of ``rows`` rows, with ``{value}``
+    and ``{step}`` for :func:`jaxcore.guard.input_check` to fill.
+
+    Args:
+        rows: the table's rows.
+        field: the batch field the indices came from straight (its ``jax`` keystr), or
+            ``None`` for indices computed inside the model.
+        table: the table's module path, when known.
+
+    Example:
+        >>> embedding_message(30, "['ids']").split(" (torch")[0]
+        "The batch field ['ids'] indexes an embedding table of 30 rows, but holds {value}"
+    """
+    name = f" ({table})" if table else ""
+    if field is not None:
+        what = f"The batch field {_plain(field)} indexes an embedding table of {rows} rows{name}"
+        fix = "map the ids into the vocabulary in the Dataset (an unknown-token id)"
+    else:
+        what = f"An index computed inside the model indexes an embedding table of {rows} rows{name}"
+        fix = "check how the model computes those indices"
+    return (
+        f"{what}, but holds {{value}} (torch raises IndexError: index out of range) at step "
+        f"{{step}}. Expected indices in [0, {rows - 1}]; the step was refused and the state "
+        f"holds the params from before it. Fix: {fix}, or build the embedding with "
+        "num_embeddings > {value}."
+    )
+
+
+def _plain(text: str) -> str:
+    return text.replace("{", "(").replace("}", ")")
 
 
 class EmbeddingChecks:
-    """The batch fields that index embedding tables, found while tracing, checked per batch.
+    """``aten.embedding`` of a torchax environment, with its indices checked in the step.
 
     Example:
+        >>> import jax.numpy as jnp, jaxcore, torch, torchax
+        >>> from jaxcore.guard import checking
         >>> checks = EmbeddingChecks()
-        >>> checks.fields["[0]"] = 30
-        >>> checks.check((torch.tensor([[1, 29]]),))
-        >>> checks.check((torch.tensor([[1, 49]]),))
-        Traceback (most recent call last):
-        ...
-        jaxcore._errors.BatchError: The batch field [0] indexes an embedding table of 30 rows, ...
+        >>> checks.install(torchax.default_env())
+        >>> def step(w, ids):
+        ...     with checking({"ids": ids}) as found, checks.watching({"ids": ids}):
+        ...         checks._embedding(checks._env.j2t_iso(w), checks._env.j2t_iso(ids))
+        ...         return found.result()
+        >>> jax.jit(step)(jnp.ones((30, 4)), jnp.array([[1, 49]])).tolist()[1]
+        49
     """
 
     def __init__(self) -> None:
-        self.fields: dict[str, int] = {}  # batch path -> rows of the smallest table it indexes
         self._ids: dict[int, str] = {}
+        self._tables: dict[tuple[int, ...], str | None] = {}
+        self._module: torch.nn.Module | None = None
 
-    def install(self, env: Any) -> None:
-        """Routes ``aten.embedding`` of a torchax environment through :meth:`_embedding`."""
-        self._env = env
+    def install(self, env: Any, module: torch.nn.Module | None = None) -> None:
+        """Routes ``aten.embedding`` of a torchax environment through :meth:`_embedding`;
+        ``module`` (the traced one) names a table by its path when its shape is unique."""
+        self._env, self._module = env, module
         env.override_op_definition(torch.ops.aten.embedding.default, self._embedding)
 
     @contextlib.contextmanager
     def watching(self, batch: Any) -> Iterator[None]:
-        """While tracing with ``batch`` (the torchax tensors the step sees)."""
+        """While tracing with ``batch`` (the torchax tensors or JAX values the step sees):
+        indices that are one of its fields are named by that field."""
         self._ids = {
             id(getattr(t, "_elem", t)): jax.tree_util.keystr(path)
             for path, t in jax.tree_util.tree_leaves_with_path(batch)
@@ -61,6 +102,17 @@ class EmbeddingChecks:
             yield
         finally:
             self._ids = {}
+
+    def _table(self, shape: tuple[int, ...]) -> str | None:
+        """The path of the module's only ``nn.Embedding`` of this shape, else ``None``."""
+        if shape not in self._tables:
+            named = [
+                f"{name or 'the model'}: nn.Embedding{list(shape)}"
+                for name, m in (self._module.named_modules() if self._module is not None else ())
+                if isinstance(m, torch.nn.Embedding) and tuple(m.weight.shape) == shape
+            ]
+            self._tables[shape] = named[0] if len(named) == 1 else None
+        return self._tables[shape]
 
     def _embedding(
         self,
@@ -76,10 +128,9 @@ class EmbeddingChecks:
                 "(its gradient depends on the batch's index counts). Fix: set it to False."
             )
         w, idx = weight._elem, indices._elem
-        path = self._ids.get(id(idx))
-        if path is not None:
-            rows = int(w.shape[0])
-            self.fields[path] = min(rows, self.fields.get(path, rows))
+        rows = int(w.shape[0])
+        field = self._ids.get(id(idx))
+        index_check(idx, rows, embedding_message(rows, field, self._table(tuple(w.shape))))
         out = jnp.take(w, idx, axis=0)
         if padding_idx is not None and padding_idx >= 0:
             hit = (idx == padding_idx)[..., None]
@@ -87,23 +138,5 @@ class EmbeddingChecks:
         return self._env.j2t_iso(out)
 
     def check(self, batch: Any) -> None:
-        """Refuses indices outside ``[0, rows)`` in the fields found while tracing
-        (torch tensors, or concrete numpy or JAX arrays)."""
-        if not self.fields:
-            return
-        for path, t in jax.tree_util.tree_leaves_with_path(batch):
-            rows = self.fields.get(jax.tree_util.keystr(path))
-            if rows is None or not hasattr(t, "shape") or not math.prod(t.shape):
-                continue
-            if isinstance(t, jax.core.Tracer):  # (inside a jit: checked on the host batch)
-                continue
-            low, high = int(t.min()), int(t.max())
-            if low < 0 or high >= rows:
-                bad = high if high >= rows else low
-                raise BatchError(
-                    f"The batch field {jax.tree_util.keystr(path)} indexes an embedding table "
-                    f"of {rows} rows, but holds {bad} (torch raises IndexError: index out of "
-                    f"range). Expected ids in [0, {rows - 1}]. Fix: map the ids into the "
-                    "vocabulary in the Dataset (an unknown-token id), or build the embedding "
-                    f"with num_embeddings > {high}."
-                )
+        """Nothing: the indices are checked inside the compiled step (kept for callers that
+        still call it per batch; to be removed with them)."""

@@ -1,10 +1,10 @@
 """Host checks of a batch that torch would refuse and a jitted step would not.
 
-- **Flax ``nn.Embed`` indices**: torch raises ``IndexError`` for an id past the table; JAX's
-  gather fills it and the loss turns NaN. The batch fields that feed an ``nn.Embed``
-  directly are found once, by tracing the model's ``init`` on the batch's shapes with
-  ``flax.linen.intercept_methods`` (no compute); each batch is then checked on the host like
-  the traced ``nn.Embedding`` (:mod:`torchshell._embedding`).
+- **Flax ``nn.Embed`` indices** are not checked here: torch raises ``IndexError`` for an id
+  past the table, and every train step checks each ``nn.Embed``'s ids inside the compiled
+  step (``flax.linen.intercept_methods``, :func:`jaxcore.guard.checking`), like the traced
+  ``nn.Embedding`` (:mod:`torchshell._embedding`). :func:`embed_fields` still says which
+  batch fields feed a table directly (a trace of ``init``, no compute).
 - **Lengths and masks**: an integer ``length``/``lengths``/``*_lengths``/``*_len`` field
   holding a negative value (torch's ``pack_padded_sequence`` refuses it; a mask built from
   it in a jitted step is silently empty), a row ``mask`` that is not ``[B]``, or a
@@ -29,7 +29,6 @@ import torch
 
 import bridge
 from jaxcore import BatchError
-from torchshell._embedding import EmbeddingChecks
 
 __all__ = ["check_batch", "check_lengths_and_masks", "embed_fields"]
 
@@ -176,16 +175,8 @@ def _checked_fields(keys: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[str, 
 def check_batch(module: Any, batch: Any) -> None:
     """The checks above for a :class:`~torchshell.JaxModule`'s named batch (a dict).
 
-    The ``nn.Embed`` fields of a Flax model are found on the first batch and kept on the
-    module; a torch model traced by torchax has its own ``nn.Embedding`` check.
+    Embedding indices (Flax ``nn.Embed``, torch ``nn.Embedding``) are checked inside the
+    compiled step, not here.
     """
-    if not isinstance(batch, Mapping):
-        return
-    check_lengths_and_masks(batch)
-    checks = getattr(module, "_flax_embed_checks", None)
-    if checks is None:  # a from_torch model's: found while its forward is traced
-        checks = getattr(module.model_fns.apply, "torch_embeddings", None) or EmbeddingChecks()
-        if getattr(module, "torch_module", None) is None:
-            checks.fields = embed_fields(module.model_fns.init, batch)
-        object.__setattr__(module, "_flax_embed_checks", checks)
-    checks.check(batch)
+    if isinstance(batch, Mapping):
+        check_lengths_and_masks(batch)

@@ -68,16 +68,14 @@ class StaticSpec:
         self.types: dict[bool, list[type]] = {}
         self.seen: dict[bool, set[tuple[int, ...]]] = {True: set(), False: set()}
         self.last: dict[bool, tuple[int, ...]] = {}
-        # the batch fields that index an nn.Embedding, found while tracing (as torch does:
-        # an id past the table is refused, not trained into NaN)
+        # nn.Embedding's indices, checked inside the step (as torch does: an id past the
+        # table is refused, not trained into NaN); the forward names the batch fields
         self.embeddings = EmbeddingChecks()
-        self.embeddings.install(tracer.env)
+        self.embeddings.install(tracer.env, tracer.module)
 
     def discover(self, concrete: Batch, train: bool) -> None:
         """Finds the host reads of the forward on a concrete batch (see ``host_reads``)."""
-        module = self.tracer.module
-        with self.embeddings.watching({k: concrete[k] for k in self.keys if k in concrete}):
-            reads = self.tracer.host_reads(module, _inputs(concrete, self.keys), train)
+        reads = self.tracer.host_reads(self.tracer.module, _inputs(concrete, self.keys), train)
         self.learn(train, reads)
 
     def learn(self, train: bool, values: Mapping[int, Any]) -> None:
@@ -136,7 +134,6 @@ class StaticSpec:
             concrete = {k: _concrete(batch[k]) for k in self.keys if k in batch}
             for mode in (True, False):
                 self.discover(concrete, mode)
-            self.embeddings.check(concrete)  # the first batch (the shell checks the rest)
         if not self.needed(train):
             return batch
         values = self._host_values(batch, train)

@@ -1,13 +1,19 @@
-"""``nn.Embedding`` under ``JaxModule.from_torch``: ids past the table are refused like torch's
-``IndexError``, with a JAX loss as with a torch loss (torchshell/_embedding.py)."""
+"""Embedding indices checked inside the compiled step, on every path (issue 39): ids past a
+table are refused like torch's ``IndexError`` (no NaN reaches the weights) and named at the
+logging cadence: ``from_torch`` with a JAX or a torch loss, ``from_lightning``, and a Flax
+``nn.Embed``; indices computed inside the model as well as batch fields."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as fnn
+import jax
+import lightning as L
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -19,58 +25,127 @@ ROWS, VOCAB = 8, 30
 
 
 class _Tagger(nn.Module):
-    """Token ids -> nn.Embedding(30) -> mean -> 10 classes."""
+    """Token ids (+ ``shift``, computed in the model) -> nn.Embedding(30) -> mean -> 10."""
 
-    def __init__(self) -> None:
+    def __init__(self, shift: int = 0) -> None:
         super().__init__()
+        self.shift = shift
         self.emb, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, 10)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(ids).mean(1))
+        return self.head(self.emb(ids + self.shift if self.shift else ids).mean(1))
+
+
+class _Bag(L.LightningModule):
+    """The same tagger as a LightningModule reading a dict batch."""
+
+    def __init__(self, shift: int = 0) -> None:
+        super().__init__()
+        self.net = _Tagger(shift)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch["ids"]), batch["y"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _FlaxTagger(fnn.Module):
+    shift: int = 0
+
+    @fnn.compact
+    def __call__(self, ids: jax.Array, train: bool = False) -> jax.Array:
+        return fnn.Dense(10)(fnn.Embed(VOCAB, 8)(ids + self.shift if self.shift else ids).mean(1))
 
 
 def _batches(bad: int | None, at: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(3):
-        ids = torch.randint(0, VOCAB, (ROWS, 5), generator=g)
+        ids = torch.randint(0, VOCAB - 5, (ROWS, 5), generator=g)
         if i == at and bad is not None:
             ids[3, 2] = bad
         out.append({"ids": ids, "y": torch.zeros(ROWS, dtype=torch.long)})
     return out
 
 
-def _fit(loss: Any, batches: list[dict[str, torch.Tensor]]) -> JaxModule:
+def _fit(module: L.LightningModule, batches: list[dict[str, torch.Tensor]]) -> Any:
+    trainer = quiet_trainer(max_steps=len(batches), log_every_n_steps=1)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return module
+
+
+def _from_torch(loss: Any, shift: int = 0) -> JaxModule:
     torch.manual_seed(0)
-    net = _Tagger()
-    module = JaxModule.from_torch(
+    net = _Tagger(shift)
+    return JaxModule.from_torch(
         net, loss, torch.optim.SGD(net.parameters(), lr=0.1), inputs=("ids",), print_summary=False
     )
-    trainer = quiet_trainer(max_steps=len(batches), log_every_n_steps=1)
-    loader = DataLoader(batches, batch_size=None)
-    trainer.fit(module, train_dataloaders=loader)
-    return module
+
+
+def _refused(module: Any, batches: list[dict[str, torch.Tensor]]) -> str:
+    """The error of fitting on ``batches``; the weights hold no NaN (the step was refused)."""
+    with pytest.raises(jaxcore.BatchError) as err:
+        _fit(module, batches)
+    msg = str(err.value)
+    assert "IndexError: index out of range" in msg and "Fix:" in msg, msg
+    assert "learning rate" not in msg, msg
+    leaves = jax.tree.leaves(jax.device_get(module.state.params))
+    assert leaves and all(np.isfinite(v).all() for v in leaves)
+    return msg
 
 
 LOSSES = {"jax_loss": jaxcore.softmax_cross_entropy, "torch_loss": nn.CrossEntropyLoss()}
 
 
-@pytest.mark.parametrize("loss", list(LOSSES))
-@pytest.mark.parametrize(("bad", "at"), [(49, 0), (30, 2), (-1, 1)], ids=["49@0", "30@2", "-1@1"])
-def test_ids_past_an_embedding_table_are_refused_like_torch(loss: str, bad: int, at: int) -> None:
+@pytest.mark.parametrize(
+    ("loss", "bad", "at"),
+    [("jax_loss", 49, 0), ("torch_loss", 30, 2), ("jax_loss", -1, 1)],
+    ids=["jax_loss-49@0", "torch_loss-30@2", "jax_loss--1@1"],
+)
+def test_from_torch_refuses_ids_past_the_table_like_torch(loss: str, bad: int, at: int) -> None:
     """Before (JAX loss): trained into NaN, then "The loss or gradients were NaN/Inf at step 0
     ... Fix: lower the learning rate". torch: ``IndexError: index out of range in self``."""
     batches = _batches(bad, at)
     with pytest.raises(IndexError):  # what torch itself raises on the same batch
         _Tagger()(batches[at]["ids"])
-    with pytest.raises(jaxcore.BatchError) as err:
-        _fit(LOSSES[loss], batches)
-    msg = str(err.value)
-    assert f"['ids'] indexes an embedding table of {VOCAB} rows, but holds {bad}" in msg, msg
-    assert "IndexError" in msg and "Fix:" in msg and "learning rate" not in msg, msg
+    msg = _refused(_from_torch(LOSSES[loss]), batches)
+    assert f"['ids'] indexes an embedding table of {VOCAB} rows" in msg, msg
+    assert f"but holds {bad} " in msg and f"at step {at}." in msg, msg
+
+
+def test_from_torch_refuses_an_index_computed_in_the_model() -> None:
+    """``ids + 100`` is no batch field: a host check of the batch could never see it."""
+    msg = _refused(_from_torch(LOSSES["jax_loss"], shift=100), _batches(None, 0))
+    assert f"computed inside the model indexes an embedding table of {VOCAB} rows" in msg, msg
+    assert "(emb: nn.Embedding[30, 8])" in msg and "at step 0." in msg, msg
+
+
+@pytest.mark.parametrize("shift", [0, 100], ids=["batch_field", "computed"])
+def test_from_lightning_refuses_ids_past_the_table(shift: int) -> None:
+    torch.manual_seed(0)
+    module = JaxModule.from_lightning(_Bag(shift), print_summary=False)
+    msg = _refused(module, _batches(None if shift else 49, 1))
+    where = "computed inside the model" if shift else "The batch field ['ids']"
+    assert f"{where} indexes an embedding table of {VOCAB} rows" in msg, msg
+
+
+@pytest.mark.parametrize("shift", [0, 100], ids=["batch_field", "computed"])
+def test_flax_nn_embed_refuses_ids_past_the_table(shift: int) -> None:
+    module = JaxModule(
+        _FlaxTagger(shift),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=0.1),
+        inputs=("ids",),
+        print_summary=False,
+    )
+    msg = _refused(module, _batches(None if shift else 30, 2))
+    where = "An index computed in the model" if shift else "The batch field ['ids']"
+    assert f"{where} indexes the Flax nn.Embed Embed_0 of {VOCAB} rows" in msg, msg
 
 
 def test_ids_inside_the_table_train_with_finite_weights() -> None:
-    module = _fit(LOSSES["jax_loss"], _batches(None, 0))
+    module = _fit(_from_torch(LOSSES["jax_loss"]), _batches(None, 0))
     sd = module.torch_state_dict()
     assert all(np.isfinite(v.numpy()).all() for v in sd.values())
+    assert int(module.state.nonfinite) == 0

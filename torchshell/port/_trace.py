@@ -84,8 +84,8 @@ class LightningPort(LogCapture):
         # per hook key: the numbers and types of the batch scalars it reads (specialise)
         self.statics: dict[str, tuple[list[int], list[type]]] = {}
         self._static_seen: dict[str, set[tuple[int, ...]]] = {}
-        self.embeddings = EmbeddingChecks()
-        self.embeddings.install(self.tracer.env)
+        self.embeddings = EmbeddingChecks()  # nn.Embedding's indices, checked in the step
+        self.embeddings.install(self.tracer.env, module)
         self.specs: dict[str, dict[str, LogSpec]] = {hook: {} for hook in HOOKS}
         self.metric_calls: dict[str, list[MetricCall]] = {hook: [] for hook in HOOKS}
         self._warned: set[tuple[str, str]] = set()
