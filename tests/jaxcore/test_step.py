@@ -1,3 +1,4 @@
+import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,3 +229,73 @@ def _mean_loss(model, params, state, batch):
     outputs, _ = model.apply(params, state.model_state, batch, state.rng, True)
     losses, _ = jaxcore.softmax_cross_entropy(outputs, batch)
     return jnp.mean(losses)
+
+
+class _Tok(fnn.Module):
+    """Token ids -> nn.Embed(30) -> mean -> 3 classes; ``shift`` computes ids in the model."""
+
+    shift: int = 0
+
+    @fnn.compact
+    def __call__(self, ids, train=False):
+        return fnn.Dense(3)(fnn.Embed(30, 4)(ids + self.shift if self.shift else ids).mean(1))
+
+
+def _tok_step(policy, shift=0, **kw):
+    model = jaxcore.linen_model(_Tok(shift), inputs=("ids",))
+    tx = jaxcore.make_optimizer(lr=0.1)
+    good = {"ids": jnp.ones((16, 5), jnp.int32), "y": jnp.zeros(16, jnp.int32)}
+    st = jaxcore.init_train_state(model, tx, good, seed=0, mesh=_mesh())
+    step = jaxcore.make_train_step(
+        model,
+        jaxcore.softmax_cross_entropy,
+        tx,
+        state_sharding=jaxcore.state_shardings(st),
+        nan_policy=policy,
+        donate=False,
+        **kw,
+    )
+    return st, step, good
+
+
+def test_an_embed_index_past_the_table_refuses_the_step_inside_it():
+    """Flax nn.Embed ids checked in the step (micro-batch 2 of 2 holds the bad id): no NaN in
+    the params, the error names the field, the table, the value and the step."""
+    st, step, good = _tok_step("stop", accum_steps=2)
+    st, _ = step(st, good)
+    bad = {**good, "ids": good["ids"].at[7, 2].set(49)}  # row 7: micro-batch 1 (rows i, i+2)
+    refused, metrics = step(st, bad)
+    assert float(metrics["nonfinite"]) == 1.0 and int(refused.nonfinite) == 1
+    _close(refused.params, st.params)  # the update was not applied
+    assert refused.nonfinite_input.tolist()[0] == -2  # (guard.CHECKED)
+    with pytest.raises(jaxcore.BatchError) as err:
+        jaxcore.check_finite(refused)
+    msg = str(err.value)
+    assert "batch field ['ids'] indexes the Flax nn.Embed Embed_0 of 30 rows" in msg, msg
+    assert "holds 49 at step 1" in msg and "IndexError" in msg and "Fix:" in msg, msg
+    again, _ = step(refused, good)  # under "stop" every later update is refused too
+    _close(again.params, st.params)
+
+
+def test_a_computed_index_is_skipped_under_skip_and_the_next_step_trains():
+    st, step, good = _tok_step("skip", shift=-1, steps_per_call=2)
+    two = jax.tree.map(lambda v: jnp.stack([v - 1, v]), good)  # step 1: ids 0 - 1 = -1
+    new, metrics = step(st, two)
+    assert metrics["nonfinite"].tolist() == [1.0, 0.0] and int(new.nonfinite) == 1
+    assert all(np.isfinite(v).all() for v in jax.tree.leaves(new.params))
+    assert not np.allclose(new.params["Dense_0"]["kernel"], st.params["Dense_0"]["kernel"])
+    where = new.nonfinite_input.tolist()  # [CHECKED, code, value, ...]: -1 = 0 + shift
+    assert where[0] == -2 and where[2] == -1, where
+
+
+def test_an_input_check_outside_a_step_or_inside_a_model_transform_does_nothing():
+    from jaxcore.guard import NO_CHECK, checking, index_check
+
+    index_check(jnp.array([99]), 30, "unseen {value}")  # eager, no step: nothing to record
+
+    def forward(ids):
+        with checking({"ids": ids}) as checks:
+            jax.lax.cond(ids[0] > 0, lambda: index_check(ids, 30, "inner {value}"), lambda: None)
+            return checks.result()
+
+    assert jax.jit(forward)(jnp.array([99])).tolist() == list(NO_CHECK)  # (no leaked tracer)
