@@ -19,6 +19,7 @@ from torchshell._errors import TorchModelError
 from torchshell._hf import uncached
 from torchshell._packed import packed_as_masks
 from torchshell.trace._attention import mha_forward, sdpa
+from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._lowerings import (
     WINDOWS,
@@ -71,6 +72,7 @@ def environment(reads: Reads) -> Any:
         torch.ops.aten.mH.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
         torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
         **_torchaudio_lowerings(),
+        **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
     }
     for aten_op, lowering in lowerings.items():
         env._ops[aten_op] = ops_registry.Operator(

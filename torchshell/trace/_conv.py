@@ -1,0 +1,293 @@
+"""Convolutions in a traced step, lowered for what XLA:CPU does fast.
+
+torchax 0.0.13 lowers every ``aten.convolution`` to one ``lax.conv_general_dilated`` in NCHW.
+On a GPU that is cuDNN's kernel and right. On XLA:CPU three kinds of convolution are slow
+(measured in ``benchmarks/conv_cpu.py``, forward + both gradients, fp32):
+
+- **grouped and depthwise** (``groups > 1``): XLA:CPU rewrites a grouped convolution into a
+  dense one with a block-diagonal kernel, ``groups`` times the work (ResNeXt's 32 groups:
+  ~1.5 s against ~5 ms; a depthwise 5x5, stride 2: ~176 ms against ~32-50 ms);
+- **large 1-D kernels** (torchaudio's Wav2Letter, kernel 32 over 250 -> 2,000 channels:
+  ~4.6 s against ~0.25 s);
+- **few input channels** (a 3-channel stem, 7x7 stride 2).
+
+Those are lowered here as *patches* (im2col from strided slices: the kernel's taps stacked
+on a new axis) and one ``einsum`` over (channel, tap): a matmul, XLA:CPU's fastest op, whose
+gradients are matmuls and pads. A depthwise kernel (one input channel per group) is the
+taps multiplied and summed elementwise. Everything else, and every convolution on another
+backend, keeps XLA's own convolution. Transposed convolutions stay XLA's (input dilation),
+with a grouped one's kernel rearranged right (torchax 0.0.13's is wrong for groups > 1).
+
+:func:`convolution` takes ``aten.convolution``'s arguments; :func:`conv_nd` takes
+``aten.conv1d/2d/3d``'s, including ``padding="same"`` / ``"valid"`` (torch pads "same"
+asymmetrically when the kernel's extent is even: one more on the right).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from torchshell._errors import TorchModelError
+
+__all__ = ["conv_lowerings", "conv_nd", "conv_plan", "convolution"]
+
+PATCHES, XLA = "patches", "xla"
+# a 1-D kernel at least this long goes through patches (Wav2Letter: 7 stays, 32 and 48 go)
+LONG_KERNEL_1D = 11
+# at most this many input channels per group: patches (a 3-channel RGB stem)
+FEW_CHANNELS = 4
+
+
+def conv_plan(
+    input_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    groups: int,
+    backend: str | None = None,
+) -> str:
+    """How a convolution of these (static) shapes is lowered: ``"patches"`` or ``"xla"``.
+
+    Args:
+        input_shape: ``[N, C, *spatial]``.
+        weight_shape: ``[O, C // groups, *kernel]``.
+        groups: torch's ``groups``.
+        backend: JAX's backend (default: ``jax.default_backend()``); only ``"cpu"`` uses
+            patches.
+
+    Example:
+        >>> conv_plan((2, 128, 16, 16), (128, 4, 3, 3), groups=32, backend="cpu")
+        'patches'
+        >>> conv_plan((2, 64, 16, 16), (64, 64, 3, 3), groups=1, backend="cpu")
+        'xla'
+        >>> conv_plan((2, 128, 16, 16), (128, 4, 3, 3), groups=32, backend="gpu")
+        'xla'
+    """
+    if (backend or jax.default_backend()) != "cpu":
+        return XLA
+    kernel = tuple(weight_shape[2:])
+    if math.prod(kernel) == 1 and groups == 1:
+        return XLA  # a 1x1 convolution is already one matmul to XLA
+    if groups > 1:
+        return PATCHES
+    if len(kernel) == 1 and kernel[0] >= LONG_KERNEL_1D:
+        return PATCHES
+    if weight_shape[1] <= FEW_CHANNELS:
+        return PATCHES
+    return XLA
+
+
+def convolution(
+    input: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+) -> jax.Array:
+    """``aten.convolution`` (what ``nn.Conv1d/2d/3d`` reach): patches or XLA by shape.
+
+    Example:
+        >>> import torch, numpy as np
+        >>> x, w = torch.randn(2, 8, 9), torch.randn(8, 2, 5)
+        >>> y = convolution(jnp.asarray(x.numpy()), jnp.asarray(w.numpy()), None,
+        ...                 [2], [1], [1], False, [0], 4)
+        >>> want = torch.nn.functional.conv1d(x, w, stride=2, padding=1, groups=4)
+        >>> bool(np.allclose(np.asarray(y), want.numpy(), atol=1e-5))
+        True
+    """
+    nd = weight.ndim - 2
+    if transposed:
+        return _transposed(
+            input, weight, bias, _per_dim(stride, nd, "stride"),
+            _per_dim(padding, nd, "padding"), _per_dim(dilation, nd, "dilation"),
+            _per_dim(output_padding, nd, "output_padding"), groups,
+        )  # fmt: skip
+    pads = [(p, p) for p in _per_dim(padding, nd, "padding")]
+    return _conv(input, weight, bias, _per_dim(stride, nd, "stride"), pads,
+                 _per_dim(dilation, nd, "dilation"), groups)  # fmt: skip
+
+
+def conv_nd(
+    input: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    stride: Sequence[int] | int = 1,
+    padding: Sequence[int] | int | str = 0,
+    dilation: Sequence[int] | int = 1,
+    groups: int = 1,
+) -> jax.Array:
+    """``aten.conv1d/2d/3d`` (``F.conv2d`` and friends), ``padding`` also ``"same"``/``"valid"``.
+
+    Example:
+        >>> import torch, numpy as np
+        >>> x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 2, 2)
+        >>> y = conv_nd(jnp.asarray(x.numpy()), jnp.asarray(w.numpy()), padding="same")
+        >>> want = torch.nn.functional.conv2d(x, w, padding="same")
+        >>> bool(np.allclose(np.asarray(y), want.numpy(), atol=1e-5))
+        True
+    """
+    nd = weight.ndim - 2
+    dil = _per_dim(dilation, nd, "dilation")
+    if isinstance(padding, str):
+        if padding == "valid":
+            pads = [(0, 0)] * nd
+        elif padding == "same":
+            extent = [d * (k - 1) for d, k in zip(dil, weight.shape[2:], strict=True)]
+            pads = [(e // 2, e - e // 2) for e in extent]
+        else:
+            raise TorchModelError(
+                f"conv{nd}d: padding must be 'same', 'valid' or numbers; got {padding!r}. "
+                "Fix: pass one of those, as torch accepts."
+            )
+    else:
+        pads = [(p, p) for p in _per_dim(padding, nd, "padding")]
+    return _conv(input, weight, bias, _per_dim(stride, nd, "stride"), pads, dil, groups)
+
+
+def conv_lowerings() -> dict[Any, Callable[..., jax.Array]]:
+    """The aten ops lowered here, for a torchax environment's op table.
+
+    Example:
+        >>> import torch
+        >>> torch.ops.aten.convolution.default in conv_lowerings()
+        True
+    """
+    import torch
+
+    aten = torch.ops.aten
+    ops: dict[Any, Callable[..., jax.Array]] = {aten.convolution.default: convolution}
+    for name in ("conv1d", "conv2d", "conv3d"):
+        ops[getattr(aten, name).default] = conv_nd
+        ops[getattr(aten, name).padding] = conv_nd
+    return ops
+
+
+def _per_dim(value: Sequence[int] | int, nd: int, what: str) -> list[int]:
+    values = [value] if isinstance(value, int) else list(value)
+    if len(values) == 1:
+        values = values * nd
+    if len(values) != nd:
+        raise TorchModelError(
+            f"convolution: {what} needs 1 or {nd} values for a {nd}-D kernel, got {values}. "
+            f"Fix: one {what} per spatial dimension."
+        )
+    return [int(v) for v in values]
+
+
+def _conv(
+    x: jax.Array,
+    w: jax.Array,
+    bias: jax.Array | None,
+    stride: list[int],
+    pads: list[tuple[int, int]],
+    dilation: list[int],
+    groups: int,
+) -> jax.Array:
+    nd = w.ndim - 2
+    lead = x.shape[: x.ndim - nd - 1]  # () for an unbatched input, (N,) or more otherwise
+    x = x.reshape((-1, *x.shape[x.ndim - nd - 1 :]))
+    if x.shape[1] != w.shape[1] * groups:
+        raise TorchModelError(
+            f"convolution: the input has {x.shape[1]} channels, the weight {tuple(w.shape)} "
+            f"with groups={groups} expects {w.shape[1] * groups}. Fix: match the module's "
+            "in_channels."
+        )
+    if conv_plan(x.shape, w.shape, groups) == PATCHES:
+        y = _patches(x, w, stride, pads, dilation, groups)
+    else:
+        spec = "NC" + "DHW"[3 - nd :]
+        numbers = lax.conv_dimension_numbers(x.shape, w.shape, (spec, "OI" + spec[2:], spec))
+        y = lax.conv_general_dilated(
+            x, w, stride, pads, rhs_dilation=dilation, dimension_numbers=numbers,
+            feature_group_count=groups,
+        )  # fmt: skip
+    if bias is not None:
+        y = y + bias.reshape((1, -1) + (1,) * nd).astype(y.dtype)
+    return y.reshape((*lead, *y.shape[1:]))
+
+
+def _patches(
+    x: jax.Array,
+    w: jax.Array,
+    stride: list[int],
+    pads: list[tuple[int, int]],
+    dilation: list[int],
+    groups: int,
+) -> jax.Array:
+    """The convolution as taps (strided slices of the padded input) and one contraction."""
+    nd = w.ndim - 2
+    kernel = w.shape[2:]
+    xp = jnp.pad(x, [(0, 0), (0, 0), *pads])
+    out = [
+        (xp.shape[2 + i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(nd)
+    ]
+    if min(out) <= 0:
+        raise TorchModelError(
+            f"convolution: the padded input {tuple(xp.shape[2:])} is smaller than the kernel "
+            f"{tuple(kernel)} (dilation {dilation}). Fix: a longer input or more padding."
+        )
+    n, c = x.shape[:2]
+    taps = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        start = [o * d for o, d in zip(offset, dilation, strict=True)]
+        limit = [s + (m - 1) * st + 1 for s, m, st in zip(start, out, stride, strict=True)]
+        taps.append(lax.slice(xp, (0, 0, *start), (n, c, *limit), (1, 1, *stride)))
+    n_taps, o = len(taps), w.shape[0]
+    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    cin, cout = c // groups, o // groups
+    if cin == 1 and cout == 1:  # depthwise: taps times per-channel weights, summed
+        wk = w.reshape((o, n_taps)).astype(acc or w.dtype)
+        y = taps[0].astype(acc or x.dtype) * wk[:, 0].reshape((1, o) + (1,) * nd)
+        for t in range(1, n_taps):
+            y = y + taps[t].astype(acc or x.dtype) * wk[:, t].reshape((1, o) + (1,) * nd)
+        return y.astype(x.dtype)
+    cols = jnp.stack(taps, axis=2).reshape((n, groups, cin, n_taps, *out))
+    sp = "xyz"[:nd]
+    y = jnp.einsum(
+        f"ngck{sp},gock->ngo{sp}", cols, w.reshape((groups, cout, cin, n_taps)),
+        preferred_element_type=acc,
+    )  # fmt: skip
+    return y.reshape((n, o, *out)).astype(x.dtype)
+
+
+def _transposed(
+    x: jax.Array,
+    w: jax.Array,
+    bias: jax.Array | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    output_padding: list[int],
+    groups: int,
+) -> jax.Array:
+    """``ConvTranspose*d``: the input dilated by ``stride`` under the kernel flipped, its
+    ``[in, out / groups]`` halves swapped per group (torchax 0.0.13 gets ``groups > 1``
+    wrong: it reshapes the kernel without that swap)."""
+    nd = w.ndim - 2
+    lead = x.shape[: x.ndim - nd - 1]
+    x = x.reshape((-1, *x.shape[x.ndim - nd - 1 :]))
+    cin, cout, kernel = w.shape[0], w.shape[1], w.shape[2:]
+    rhs = w.reshape((groups, cin // groups, cout, *kernel)).swapaxes(1, 2)
+    rhs = jnp.flip(rhs.reshape((groups * cout, cin // groups, *kernel)), range(2, 2 + nd))
+    pads = []
+    for k, p, d, extra in zip(kernel, padding, dilation, output_padding, strict=True):
+        front = d * (k - 1) - p
+        pads.append((front, front + extra))
+    spec = "NC" + "DHW"[3 - nd :]
+    numbers = lax.conv_dimension_numbers(x.shape, rhs.shape, (spec, "OI" + spec[2:], spec))
+    y = lax.conv_general_dilated(
+        x, rhs, (1,) * nd, pads, lhs_dilation=stride, rhs_dilation=dilation,
+        dimension_numbers=numbers, feature_group_count=groups,
+    )  # fmt: skip
+    if bias is not None:
+        y = y + bias.reshape((1, -1) + (1,) * nd).astype(y.dtype)
+    return y.reshape((*lead, *y.shape[1:]))
