@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcore._sums import LossFn, Metrics, _micro_batches, _sums
-from jaxcore.guard import NO_CHECK, checking
+from jaxcore.guard import NO_CHECK, checking, first_failed
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import resolve_dtype
 
@@ -99,7 +99,7 @@ def _first_check(a: Any, b: Any) -> Any:
     """The earlier micro-batch's failed input check, else the later one's."""
     if a is None or b is None:
         return b if a is None else a
-    return jnp.where(a[0] >= 0, a, b)
+    return first_failed(a, b)
 
 
 def _add(a: Grads, b: Grads) -> Grads:

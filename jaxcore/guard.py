@@ -139,8 +139,9 @@ def input_check(bad: jax.Array, value: jax.Array, message: str) -> None:
 
     Where ``bad`` holds, the step refuses its update (``nan_policy`` ``"skip"``/``"stop"``)
     and :func:`check_finite` raises ``BatchError(message)`` with ``{value}`` (``value``) and
-    ``{step}`` filled in. Outside a step's trace (an eager call, ``init``, an eval step) and
-    inside a transform of the model's own (``lax.cond``, ``scan``) it does nothing.
+    ``{where}`` (``"at step N (...)"``, or :func:`raise_failed`'s ``where``) filled in.
+    Outside :func:`checking` (an eager call, ``init``) and inside a transform of the model's
+    own (``lax.cond``, ``scan``) it does nothing.
 
     Example:
         >>> import jax.numpy as jnp
@@ -198,10 +199,10 @@ def _embed_bounds(next_fun: Callable[..., Any], args: Any, kwargs: Any, context:
         index_check(
             args[0],
             rows,
-            f"{what} indexes the Flax nn.Embed {table} of {rows} rows, but holds {{value}} at "
-            f"step {{step}} (torch raises IndexError: index out of range). Expected ids in "
-            f"[0, {rows - 1}]; the step was refused and the state holds the params from "
-            f"before it. Fix: {fix}, or build the nn.Embed with num_embeddings > {{value}}.",
+            f"{what} indexes the Flax nn.Embed {table} of {rows} rows, but holds {{value}} "
+            f"{{where}}. torch raises IndexError: index out of range on it; expected ids in "
+            f"[0, {rows - 1}]. Fix: {fix}, or build the nn.Embed with num_embeddings > "
+            "{value}.",
         )
     return next_fun(*args, **kwargs)
 
@@ -238,14 +239,68 @@ def checked(check: jax.Array) -> jax.Array:
     return jnp.where(check[0] >= 0, failed, jnp.array(NO_INPUT, jnp.int32))
 
 
-def _check_message(code: int, value: int, step: int) -> str:
+def _check_message(code: int, value: int, where: str) -> str:
     if 0 <= code < len(_MESSAGES):
-        return _MESSAGES[code].replace("{value}", str(value)).replace("{step}", str(step))
+        return _MESSAGES[code].replace("{value}", str(value)).replace("{where}", where)
     return (  # (a state restored from another process: its messages are not known here)
-        f"An input check (#{code}) of the model refused step {step} (it saw {value}); the "
-        "state holds the params from before that step. Fix: check the batch's index fields "
-        "(e.g. ids past an embedding table)."
+        f"An input check (#{code}) of the model failed {where} (it saw {value}). Fix: check "
+        "the batch's index fields (e.g. ids past an embedding table)."
     )
+
+
+def first_failed(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The first of two ``[code, value]`` checks that failed (on device, no sync): to keep
+    one per evaluation epoch, batch by batch.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> first_failed(jnp.array(NO_CHECK), jnp.array([3, 49])).tolist()
+        [3, 49]
+    """
+    return jnp.where(a[0] >= 0, a, b)
+
+
+def checked_forward(fn: Callable[..., Any]) -> Callable[..., tuple[Any, jax.Array]]:
+    """A step that does not train (eval, predict), with its input checks:
+    ``fn(state, batch, *args) -> out`` becomes ``-> (out, check)``, ``check`` the
+    ``int32[2]`` of :meth:`InputChecks.result`. Jit the result; read ``check`` where the
+    shell already syncs (the end of an evaluation epoch) with :func:`raise_failed`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def forward(state, batch):
+        ...     index_check(batch["ids"], 30, "id {value} {where}")
+        ...     return batch["ids"] * 2
+        >>> out, check = jax.jit(checked_forward(forward))(None, {"ids": jnp.array([1, 49])})
+        >>> check.tolist()[1]
+        49
+    """
+
+    def wrapped(state: Any, batch: PyTree, *args: Any) -> tuple[Any, jax.Array]:
+        with checking(batch) as checks:
+            out = fn(state, batch, *args)
+            return out, checks.result()
+
+    return wrapped
+
+
+def raise_failed(check: Any, where: str) -> None:
+    """Raises the failed input check of a ``[code, value]`` (a host read: call it where the
+    shell syncs anyway, e.g. the end of an evaluation epoch).
+
+    Args:
+        check: from :func:`checked_forward` (or :func:`first_failed` over several).
+        where: fills the message's ``{where}``, e.g. ``"in a validation batch"``.
+
+    Raises:
+        BatchError: the check's own message (the field, the table, the value, the fix).
+
+    Example:
+        >>> raise_failed(NO_CHECK, "in a validation batch")  # nothing failed
+    """
+    code, value = (int(v) for v in jax.device_get(check))
+    if code >= 0:
+        raise BatchError(_check_message(code, value, where))
 
 
 def guarded(ok: jax.Array, update: Callable[[], PyTree], old: PyTree) -> PyTree:
@@ -286,7 +341,8 @@ def check_finite(state: Any, fields: Sequence[str] | None = None) -> None:
     )
     count, first = int(count), int(first)
     if count and int(where[0]) == CHECKED:
-        raise BatchError(_check_message(int(where[1]), int(where[2]), first))
+        when = f"at step {first} (refused: the state holds the params from before it)"
+        raise BatchError(_check_message(int(where[1]), int(where[2]), when))
     if count and int(where[0]) >= 0:
         index, rows = int(where[0]), int(where[1])
         name = fields[index] if fields is not None and index < len(fields) else f"#{index}"

@@ -32,7 +32,8 @@ __all__ = ["EmbeddingChecks", "embedding_message"]
 
 def embedding_message(rows: int, field: str | None, table: str | None = None) -> str:
     """The error of an index outside an embedding table of ``rows`` rows, with ``{value}``
-    and ``{step}`` for :func:`jaxcore.guard.input_check` to fill.
+    and ``{where}`` (the step, or the evaluation batch) for :func:`jaxcore.guard.input_check`
+    to fill.
 
     Args:
         rows: the table's rows.
@@ -41,7 +42,7 @@ def embedding_message(rows: int, field: str | None, table: str | None = None) ->
         table: the table's module path, when known.
 
     Example:
-        >>> embedding_message(30, "['ids']").split(" (torch")[0]
+        >>> embedding_message(30, "['ids']").split(" {where}")[0]
         "The batch field ['ids'] indexes an embedding table of 30 rows, but holds {value}"
     """
     name = f" ({table})" if table else ""
@@ -52,10 +53,9 @@ def embedding_message(rows: int, field: str | None, table: str | None = None) ->
         what = f"An index computed inside the model indexes an embedding table of {rows} rows{name}"
         fix = "check how the model computes those indices"
     return (
-        f"{what}, but holds {{value}} (torch raises IndexError: index out of range) at step "
-        f"{{step}}. Expected indices in [0, {rows - 1}]; the step was refused and the state "
-        f"holds the params from before it. Fix: {fix}, or build the embedding with "
-        "num_embeddings > {value}."
+        f"{what}, but holds {{value}} {{where}}. torch raises IndexError: index out of range "
+        f"on it; expected indices in [0, {rows - 1}]. Fix: {fix}, or build the embedding "
+        "with num_embeddings > {value}."
     )
 
 

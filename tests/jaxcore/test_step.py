@@ -272,7 +272,7 @@ def test_an_embed_index_past_the_table_refuses_the_step_inside_it():
         jaxcore.check_finite(refused)
     msg = str(err.value)
     assert "batch field ['ids'] indexes the Flax nn.Embed Embed_0 of 30 rows" in msg, msg
-    assert "holds 49 at step 1" in msg and "IndexError" in msg and "Fix:" in msg, msg
+    assert "holds 49 at step 1 (refused" in msg and "IndexError" in msg and "Fix:" in msg, msg
     again, _ = step(refused, good)  # under "stop" every later update is refused too
     _close(again.params, st.params)
 
@@ -299,3 +299,21 @@ def test_an_input_check_outside_a_step_or_inside_a_model_transform_does_nothing(
             return checks.result()
 
     assert jax.jit(forward)(jnp.array([99])).tolist() == list(NO_CHECK)  # (no leaked tracer)
+
+
+def test_a_step_that_does_not_train_reports_its_input_checks_for_the_epoch_end():
+    """Evaluation: checked_forward gives each batch's check, first_failed keeps the epoch's
+    first on device, raise_failed names it where the shell syncs."""
+    from jaxcore.guard import NO_CHECK, checked_forward, first_failed, raise_failed
+
+    st, _, good = _tok_step("stop")
+    model = jaxcore.linen_model(_Tok(), inputs=("ids",))
+    forward = jax.jit(
+        checked_forward(lambda s, b: model.apply(s.params, s.model_state, b, s.rng, False)[0])
+    )
+    epoch = jnp.array(NO_CHECK)
+    for ids in (good["ids"], good["ids"].at[2, 1].set(-3), good["ids"].at[0, 0].set(31)):
+        _, check = forward(st, {**good, "ids": ids})
+        epoch = first_failed(epoch, check)
+    with pytest.raises(jaxcore.BatchError, match=r"\['ids'\] .* of 30 rows, but holds -3 in a val"):
+        raise_failed(epoch, "in a validation batch")

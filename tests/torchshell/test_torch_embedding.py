@@ -5,6 +5,7 @@ logging cadence: ``from_torch`` with a JAX or a torch loss, ``from_lightning``, 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as fnn
@@ -111,14 +112,15 @@ def test_from_torch_refuses_ids_past_the_table_like_torch(loss: str, bad: int, a
         _Tagger()(batches[at]["ids"])
     msg = _refused(_from_torch(LOSSES[loss]), batches)
     assert f"['ids'] indexes an embedding table of {VOCAB} rows" in msg, msg
-    assert f"but holds {bad} " in msg and f"at step {at}." in msg, msg
+    assert f"but holds {bad} at step {at} (refused" in msg, msg
 
 
 def test_from_torch_refuses_an_index_computed_in_the_model() -> None:
     """``ids + 100`` is no batch field: a host check of the batch could never see it."""
     msg = _refused(_from_torch(LOSSES["jax_loss"], shift=100), _batches(None, 0))
     assert f"computed inside the model indexes an embedding table of {VOCAB} rows" in msg, msg
-    assert "(emb: nn.Embedding[30, 8])" in msg and "at step 0." in msg, msg
+    table = r"\(emb: nn.Embedding\[30, 8\]\)"
+    assert re.search(rf"{table}, but holds 1\d\d at step 0 \(refused", msg), msg
 
 
 @pytest.mark.parametrize("shift", [0, 100], ids=["batch_field", "computed"])
