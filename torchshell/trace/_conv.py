@@ -129,7 +129,7 @@ def conv_nd(
 
     Example:
         >>> import torch, numpy as np
-        >>> x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 2, 2)
+        >>> x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 5)
         >>> y = conv_nd(jnp.asarray(x.numpy()), jnp.asarray(w.numpy()), padding="same")
         >>> want = torch.nn.functional.conv2d(x, w, padding="same")
         >>> bool(np.allclose(np.asarray(y), want.numpy(), atol=1e-5))
