@@ -27,7 +27,11 @@ import torch
 from jaxcore.guard import index_check
 from torchshell._errors import TorchModelError
 
-__all__ = ["EmbeddingChecks", "embedding_message"]
+__all__ = ["EVAL_CHECK_KEY", "EmbeddingChecks", "embedding_message"]
+
+# an evaluation hook's ``[code, value]`` input check among its logs (``LightningPort.call``):
+# ``jaxcore.guard.raise_failed(logs.pop(EVAL_CHECK_KEY), "in a validation_step batch")``
+EVAL_CHECK_KEY = "~torchshell.input_check"
 
 
 def embedding_message(rows: int, field: str | None, table: str | None = None) -> str:

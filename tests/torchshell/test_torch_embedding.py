@@ -151,3 +151,34 @@ def test_ids_inside_the_table_train_with_finite_weights() -> None:
     sd = module.torch_state_dict()
     assert all(np.isfinite(v.numpy()).all() for v in sd.values())
     assert int(module.state.nonfinite) == 0
+
+
+class _EvalBag(_Bag):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self.net(batch["ids"]), batch["y"]))
+
+
+def test_a_lightning_eval_hook_reports_ids_past_the_table_with_its_logs() -> None:
+    """An evaluation hook's indices are checked in its compiled step too: ``[code, value]``
+    comes back with the logs it already hands to the host (EVAL_CHECK_KEY)."""
+    from jaxcore.guard import raise_failed
+    from torchshell._embedding import EVAL_CHECK_KEY
+    from torchshell.port._trace import LightningPort
+
+    port = LightningPort(_EvalBag())
+
+    @jax.jit
+    def checks(batch: Any) -> Any:
+        t = port.tracer
+        key = jax.random.key(0)
+        _, logs, _ = port.call("validation_step", t.params0, t.state0, batch, key, False)
+        return logs[EVAL_CHECK_KEY]
+
+    good = {k: jax.numpy.asarray(v.int().numpy()) for k, v in _batches(None, 0)[0].items()}
+    raise_failed(checks(good), "in a validation_step batch")  # nothing failed
+    bad = {**good, "ids": good["ids"].at[1, 1].set(VOCAB)}
+    with pytest.raises(jaxcore.BatchError) as err:
+        raise_failed(checks(bad), "in a validation_step batch")
+    msg = str(err.value)
+    assert "['ids'] indexes an embedding table of 30 rows (net.emb: nn.Embedding[30, 8])" in msg
+    assert "but holds 30 in a validation_step batch. torch raises IndexError" in msg, msg

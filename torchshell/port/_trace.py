@@ -10,6 +10,7 @@ call made while tracing: the values come back as JAX scalars (on device), the op
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -22,8 +23,9 @@ import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from jaxcore import TOTAL, ModelFns
+from jaxcore.guard import checking
 from torchshell import trace as patterns
-from torchshell._embedding import EmbeddingChecks
+from torchshell._embedding import EVAL_CHECK_KEY, EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
 from torchshell._torch_static import STATIC_KEY, check_static_reads
 from torchshell.port._batch_idx import BatchIdx
@@ -122,7 +124,10 @@ class LightningPort(LogCapture):
             found = patterns.decode(batch[STATIC_KEY].shape[1:])
             statics = {n: t(v) for n, t, v in zip(used, types, found, strict=True)}
             batch = batch[USER_KEY]
-        with self.tracer.static_values(statics):
+        # an eval hook's embedding indices: checked in its step, [code, value] for the host
+        # (the train step checks its own: jaxcore.guard.checking in the gradient function)
+        checks = contextlib.nullcontext() if hook == "training_step" else checking(batch)
+        with self.tracer.static_values(statics), checks as found_checks:
             (out, values, states, appended), new_state = self.tracer.call(
                 fn, params, model_state, [batch], rng, train
             )
@@ -136,6 +141,8 @@ class LightningPort(LogCapture):
             logs |= {f"{METRIC_KEY}{i}/{k}": jnp.asarray(v) for k, v in arrays.items()}
         if appended:  # the step's outputs kept in lists: appended on the host
             logs[APPENDED_KEY] = appended
+        if found_checks is not None:  # (read with the logs: jaxcore.guard.raise_failed)
+            logs[EVAL_CHECK_KEY] = found_checks.result()
         self.specs[hook_key(hook, dataloader_idx)] = specs
         self.metric_calls[hook_key(hook, dataloader_idx)] = [call for call, _ in calls]
         return out, logs, new_state
