@@ -3,8 +3,7 @@
 - **Flax ``nn.Embed`` indices** are not checked here: torch raises ``IndexError`` for an id
   past the table, and every train step checks each ``nn.Embed``'s ids inside the compiled
   step (``flax.linen.intercept_methods``, :func:`jaxcore.guard.checking`), like the traced
-  ``nn.Embedding`` (:mod:`torchshell._embedding`). :func:`embed_fields` still says which
-  batch fields feed a table directly (a trace of ``init``, no compute).
+  ``nn.Embedding`` (:mod:`torchshell._embedding`).
 - **Lengths and masks**: an integer ``length``/``lengths``/``*_lengths``/``*_len`` field
   holding a negative value (torch's ``pack_padded_sequence`` refuses it; a mask built from
   it in a jitted step is silently empty), a row ``mask`` that is not ``[B]``, or a
@@ -22,69 +21,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import torch
 
 import bridge
 from jaxcore import BatchError
 
-__all__ = ["check_batch", "check_lengths_and_masks", "embed_fields"]
+__all__ = ["check_batch", "check_lengths_and_masks"]
 
 _LENGTH = re.compile(r"(^|_)(lengths?|lens?)$")
-
-
-def _struct(t: Any) -> Any:
-    if isinstance(t, torch.Tensor):
-        dtype = jax.dtypes.canonicalize_dtype(jnp.dtype(str(t.dtype).removeprefix("torch.")))
-        return jax.ShapeDtypeStruct(tuple(t.shape), dtype)
-    return t
-
-
-def embed_fields(init: Any, batch: Mapping[str, Any]) -> dict[str, int]:
-    """The batch fields passed straight into a Flax ``nn.Embed``, with the table's rows.
-
-    Args:
-        init: a model's ``init(rng, batch)`` (:class:`jaxcore.ModelFns`); only traced.
-        batch: the batch (torch tensors or arrays); only shapes and dtypes are read.
-
-    Returns:
-        ``{field path (jax keystr): rows of the smallest table it indexes}``.
-
-    Example:
-        >>> import flax.linen as nn, jaxcore
-        >>> class Tok(nn.Module):
-        ...     @nn.compact
-        ...     def __call__(self, ids, train=False):
-        ...         return nn.Embed(30, 4)(ids).mean(1)
-        >>> fns = jaxcore.linen_model(Tok(), inputs=("ids",))
-        >>> embed_fields(fns.init, {"ids": torch.zeros(2, 5, dtype=torch.int32)})
-        {"['ids']": 30}
-    """
-    found: dict[str, int] = {}
-
-    def trace(b: Any) -> Any:
-        paths = {
-            id(leaf): jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(b)
-        }
-
-        def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
-            if isinstance(context.module, nn.Embed) and context.method_name == "__call__" and args:
-                path = paths.get(id(args[0]))
-                if path is not None:
-                    rows = int(context.module.num_embeddings)
-                    found[path] = min(rows, found.get(path, rows))
-            return next_fun(*args, **kwargs)
-
-        with nn.intercept_methods(intercept):
-            return init(jax.random.key(0), b)
-
-    try:
-        jax.eval_shape(trace, jax.tree.map(_struct, dict(batch)))
-    except Exception:  # a batch the model cannot read: the step itself says why, clearly
-        return {}
-    return found
 
 
 def _check_length(key: str, t: torch.Tensor) -> None:
