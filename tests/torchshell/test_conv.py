@@ -40,9 +40,10 @@ class Functional(nn.Module):
 CASES = {
     "1d_long_kernel_strided": ((2, 4, 40), (6, 4, 16), {"stride": 2, "padding": 7}, True),
     "1d_long_kernel_dilated_same": ((2, 4, 30), (6, 4, 12), {"padding": "same", "dilation": 2}, 1),
-    "1d_short_kernel_xla": ((2, 8, 12), (6, 8, 3), {"padding": 1}, False),
+    "1d_short_kernel_xla": ((2, 8, 260), (6, 8, 3), {"padding": 1}, False),
     "1d_grouped_valid": ((2, 8, 12), (6, 4, 3), {"groups": 2, "padding": "valid"}, True),
     "2d_dense_3x3": ((2, 8, 9, 10), (6, 8, 3, 3), {"padding": 1}, True),
+    "2d_dense_3x3_xla": ((2, 8, 16, 17), (6, 8, 3, 3), {"padding": 1, "dilation": 2}, True),
     "2d_depthwise_strided": (
         (2, 8, 9, 10),
         (8, 1, 3, 3),
@@ -179,18 +180,23 @@ def _has_conv(module: nn.Module, x: torch.Tensor) -> bool:
     return "conv_general_dilated" in str(jaxpr)
 
 
-def test_grouped_and_long_1d_kernels_take_patches_dense_3x3_keeps_xla_on_cpu() -> None:
+def test_grouped_and_long_1d_kernels_take_patches_dense_16x16_keeps_xla_on_cpu() -> None:
     assert jax.default_backend() == "cpu"
     # forward and both gradients: no XLA convolution at all where patches were chosen
     assert not _has_conv(nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.randn(2, 8, 6, 6))
     assert not _has_conv(nn.Conv1d(4, 8, 32, padding=16), torch.randn(2, 4, 40))
-    assert _has_conv(nn.Conv2d(8, 8, 3, padding=1), torch.randn(2, 8, 6, 6))
+    assert _has_conv(nn.Conv2d(8, 8, 3, padding=1), torch.randn(2, 8, 16, 16))
 
 
 def test_conv_plan_by_shape_and_backend() -> None:
     assert conv_plan((2, 250, 11), (2000, 250, 32), 1, backend="cpu") == PATCHES  # Wav2Letter
-    assert conv_plan((2, 250, 11), (250, 250, 7), 1, backend="cpu") == XLA
+    assert conv_plan((2, 250, 11), (250, 250, 7), 1, backend="cpu") == PATCHES  # short output
+    assert conv_plan((2, 250, 300), (250, 250, 7), 1, backend="cpu") == XLA
     assert conv_plan((2, 96, 16, 16), (96, 1, 5, 5), 96, backend="cpu") == PATCHES
     assert conv_plan((2, 3, 64, 64), (64, 3, 7, 7), 1, backend="cpu") == PATCHES
-    assert conv_plan((2, 64, 16, 16), (128, 64, 1, 1), 1, backend="cpu") == XLA
+    assert conv_plan((2, 64, 16, 16), (128, 64, 1, 1), 1, backend="cpu") == PATCHES  # a matmul
+    assert conv_plan((2, 64, 16, 16), (64, 64, 3, 3), 1, backend="cpu") == XLA
+    assert conv_plan((2, 64, 32, 32), (64, 64, 3, 3), 1, stride=2, backend="cpu") == XLA
+    assert conv_plan((2, 64, 16, 16), (64, 64, 3, 3), 1, stride=2, backend="cpu") == PATCHES
+    assert conv_plan((2, 512, 2, 2), (512, 512, 3, 3), 1, backend="cpu") == PATCHES
     assert conv_plan((2, 96, 16, 16), (96, 1, 5, 5), 96, backend="gpu") == XLA  # cuDNN's own

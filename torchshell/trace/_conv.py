@@ -9,14 +9,18 @@ On a GPU that is cuDNN's kernel and right. On XLA:CPU three kinds of convolution
   ~1.5 s against ~5 ms; a depthwise 5x5, stride 2: ~176 ms against ~32-50 ms);
 - **large 1-D kernels** (torchaudio's Wav2Letter, kernel 32 over 250 -> 2,000 channels:
   ~4.6 s against ~0.25 s);
-- **few input channels** (a 3-channel stem, 7x7 stride 2).
+- **few input channels** (a 3-channel stem, 7x7 stride 2);
+- **small outputs with many channels**, dense ones too (ResNet's last stage, 512 channels
+  over 2x2: ~580 ms against ~5 ms), and 1x1 convolutions (2,000 -> 2,000 channels over 12
+  steps: ~306 ms against ~94 ms).
 
 Those are lowered here as *patches* (im2col from strided slices: the kernel's taps stacked
 on a new axis) and one ``einsum`` over (channel, tap): a matmul, XLA:CPU's fastest op, whose
 gradients are matmuls and pads. A depthwise kernel (one input channel per group) is the
-taps multiplied and summed elementwise. Everything else, and every convolution on another
-backend, keeps XLA's own convolution. Transposed convolutions stay XLA's (input dilation),
-with a grouped one's kernel rearranged right (torchax 0.0.13's is wrong for groups > 1).
+taps multiplied and summed elementwise. Dense convolutions over large outputs (16x16 and
+up), and every convolution on another backend, keep XLA's own convolution. Transposed
+convolutions stay XLA's (input dilation), with a grouped one's kernel rearranged right
+(torchax 0.0.13's is wrong for groups > 1).
 
 :func:`convolution` takes ``aten.convolution``'s arguments; :func:`conv_nd` takes
 ``aten.conv1d/2d/3d``'s, including ``padding="same"`` / ``"valid"`` (torch pads "same"
@@ -39,24 +43,33 @@ from torchshell._errors import TorchModelError
 __all__ = ["conv_lowerings", "conv_nd", "conv_plan", "convolution"]
 
 PATCHES, XLA = "patches", "xla"
-# a 1-D kernel at least this long goes through patches (Wav2Letter: 7 stays, 32 and 48 go)
+# a 1-D kernel at least this long goes through patches at any output length (Wav2Letter's 32)
 LONG_KERNEL_1D = 11
 # at most this many input channels per group: patches (a 3-channel RGB stem)
 FEW_CHANNELS = 4
+# a dense convolution with at least this many output positions (16x16) stays XLA's
+LARGE_OUTPUT = 256
 
 
 def conv_plan(
     input_shape: Sequence[int],
     weight_shape: Sequence[int],
     groups: int,
+    stride: Sequence[int] | int = 1,
     backend: str | None = None,
 ) -> str:
     """How a convolution of these (static) shapes is lowered: ``"patches"`` or ``"xla"``.
+
+    On CPU everything is patches but a dense (``groups=1``) convolution with a kernel wider
+    than 1, more than :data:`FEW_CHANNELS` input channels, a 1-D kernel shorter than
+    :data:`LONG_KERNEL_1D`, and at least :data:`LARGE_OUTPUT` output positions: there XLA's
+    own convolution is as fast or faster (measured, ``benchmarks/conv_cpu.py``).
 
     Args:
         input_shape: ``[N, C, *spatial]``.
         weight_shape: ``[O, C // groups, *kernel]``.
         groups: torch's ``groups``.
+        stride: torch's ``stride`` (the output's size is about the input's over it).
         backend: JAX's backend (default: ``jax.default_backend()``); only ``"cpu"`` uses
             patches.
 
@@ -65,21 +78,24 @@ def conv_plan(
         'patches'
         >>> conv_plan((2, 64, 16, 16), (64, 64, 3, 3), groups=1, backend="cpu")
         'xla'
+        >>> conv_plan((2, 512, 2, 2), (512, 512, 3, 3), groups=1, backend="cpu")
+        'patches'
         >>> conv_plan((2, 128, 16, 16), (128, 4, 3, 3), groups=32, backend="gpu")
         'xla'
     """
     if (backend or jax.default_backend()) != "cpu":
         return XLA
     kernel = tuple(weight_shape[2:])
-    if math.prod(kernel) == 1 and groups == 1:
-        return XLA  # a 1x1 convolution is already one matmul to XLA
-    if groups > 1:
-        return PATCHES
-    if len(kernel) == 1 and kernel[0] >= LONG_KERNEL_1D:
-        return PATCHES
-    if weight_shape[1] <= FEW_CHANNELS:
-        return PATCHES
-    return XLA
+    strides = _per_dim(stride, len(kernel), "stride")
+    positions = math.prod(-(-n // s) for n, s in zip(input_shape[2:], strides, strict=True))
+    dense_xla = (
+        groups == 1
+        and math.prod(kernel) > 1
+        and weight_shape[1] > FEW_CHANNELS
+        and not (len(kernel) == 1 and kernel[0] >= LONG_KERNEL_1D)
+        and positions >= LARGE_OUTPUT
+    )
+    return XLA if dense_xla else PATCHES
 
 
 def convolution(
@@ -201,7 +217,7 @@ def _conv(
             f"with groups={groups} expects {w.shape[1] * groups}. Fix: match the module's "
             "in_channels."
         )
-    if conv_plan(x.shape, w.shape, groups) == PATCHES:
+    if conv_plan(x.shape, w.shape, groups, stride) == PATCHES:
         y = _patches(x, w, stride, pads, dilation, groups)
     else:
         spec = "NC" + "DHW"[3 - nd :]
