@@ -185,6 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="timed steps of each (median)")
     ap.add_argument("--only", default="", help="substring of the case names to run")
+    ap.add_argument("--skip", default="", help="substring of the case names not to run")
     args = ap.parse_args()
     import copy
 
@@ -202,7 +203,7 @@ def main() -> None:
         flush=True,
     )
     for name, make in _problems():
-        if args.only and args.only not in name:
+        if (args.only and args.only not in name) or (args.skip and args.skip in name):
             continue
         net, batch, inputs, kind, pick, lr = make()
         runs = {
