@@ -52,8 +52,12 @@ export PYTHONUNBUFFERED=1
 if [[ $DRY == 1 ]]; then
   export JAX_PLATFORMS=cpu
   ENC_ARGS=(--dry-run)
+  # the dry run's JAX stages on XLA's CPU backend unoptimised: every tiny step compiles about
+  # twice as fast (the Lightning stage's step 44 -> 22 s at load 8); their figures mean nothing
+  SMOKE=(env XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 else
   ENC_ARGS=(--steps 20 --batch 16)
+  SMOKE=()
 fi
 "$PY" - <<'PY'
 import jax
@@ -78,18 +82,19 @@ stage() {
 }
 
 # 1. DLPack hand-over of CUDA tensors (passes on a GPU, is skipped on CPU)
-stage dlpack 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/bridge/test_transfer.py -k cuda
+# (the dry run's limit is a loaded CPU's: at load 20 the skipping pytest alone ran past 60 s)
+stage dlpack "$([[ $DRY == 1 ]] && echo 120 || echo 60)" "$PY" -m pytest -q -rs \
+  -p no:cacheprovider tests/bridge/test_transfer.py -k cuda
 # (the dry run's limit is a loaded 2-core CPU's: its 2 tiny steps took over 200 s at load 8)
-stage encoder "$([[ $DRY == 1 ]] && echo 300 || echo 200)" "$PY" benchmarks/gpu_encoder.py \
-  "${ENC_ARGS[@]}" --json "$WORK/encoder.json"
+stage encoder "$([[ $DRY == 1 ]] && echo 300 || echo 200)" "${SMOKE[@]}" "$PY" \
+  benchmarks/gpu_encoder.py "${ENC_ARGS[@]}" --json "$WORK/encoder.json"
 # 3. a team's LightningModule three ways (whisper, vit, gpt)
 if [[ $DRY == 1 ]]; then
   # all three models in one process (one start-up less twice); XLA's CPU backend unoptimised
-  # (the tiny step's compile 44 -> 22 s at load 8); torch.compile's dry-run backend is
-  # eager (dynamo's capture only: 13 s for the three vs 30 s for aot_eager at load 6;
-  # inductor's C++ build took 133 s for the tiny GPT alone at load 7)
-  fast_xla="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  stage lightning 420 env XLA_FLAGS="$fast_xla" "$PY" benchmarks/gpu_lightning.py --dry-run \
+  # (SMOKE); torch.compile's dry-run backend is eager (dynamo's capture only: 13 s for the
+  # three vs 30 s for aot_eager at load 6; inductor's C++ build took 133 s for the tiny GPT
+  # alone at load 7)
+  stage lightning 420 "${SMOKE[@]}" "$PY" benchmarks/gpu_lightning.py --dry-run \
     --json "$WORK/lightning.json"
 else
   for model in whisper vit gpt; do  # one process each: JAX's peak memory is the model's own
@@ -100,8 +105,8 @@ fi
 # 4. the peers
 if [[ $DRY == 1 ]]; then  # (tests/test_benchmarks.py runs train_peers.py --tiny already)
   # one loader form: the script's path, not the forms (test_benchmarks runs all three)
-  stage user 240 "$PY" benchmarks/user_path.py --tiny --only a,e --forms "dict collate" \
-    --json "$WORK/user.json"
+  stage user 240 "${SMOKE[@]}" "$PY" benchmarks/user_path.py --tiny --only a,e \
+    --forms "dict collate" --json "$WORK/user.json"
 else
   stage peers 200 "$PY" benchmarks/train_peers.py --rounds 3 --json "$WORK/peers.json"
   stage user 120 "$PY" benchmarks/user_path.py --rounds 3 --steps 400 --json "$WORK/user.json"
