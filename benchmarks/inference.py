@@ -8,7 +8,8 @@ outputs are checked equal to the JAX core's within 1e-4:
 
 - JAX core: ``jax.jit`` of the Flax apply (eval), numpy in, numpy out;
 - torch twin, eager (``torch.inference_mode``), and ``torch.compile`` (inductor; ``--tiny``
-  uses the ``aot_eager`` backend, which needs no C++ compiler);
+  uses the ``eager`` backend: dynamo's capture and guards only, no C++ compiler, and none of
+  AOTAutograd's re-tracing at each new batch size);
 - the pt2 program MLflow serves (``torch.export`` with the twin's dynamic axes,
   :func:`torchshell.export.export_program`, saved and loaded back as a ``.pt2`` archive);
 - ONNX Runtime on the ONNX export (:func:`torchshell.export.write_onnx`);
@@ -244,7 +245,7 @@ def main() -> None:
         args.requests, args.calls = 5, 2
     tmp = Path(tempfile.mkdtemp(prefix="coreshell-inference-"))
     model, params, twin = build()
-    backend = "aot_eager" if args.tiny else "inductor"
+    backend = "eager" if args.tiny else "inductor"
     paths: dict[str, Fn] = {
         "JAX core (jax.jit)": jax_core(model, params),
         "torch twin, eager": torch_fn(twin),

@@ -203,7 +203,10 @@ BENCHES = [
         "tracking",
         "tracking.py",
         ["--rounds", "5", "--steps", "200", "--log-every", "10"],
-        ["--rounds", "1", "--steps", "20", "--warmup", "5", "--log-every", "5"],
+        [
+            *("--rounds", "1", "--steps", "20", "--warmup", "5", "--log-every", "5"),
+            *("--enqueue-calls", "500"),
+        ],
         parse_tracking,
     ),
     Bench(
@@ -219,11 +222,23 @@ BENCHES = [
 ]
 
 
-def child_env() -> dict[str, str]:
-    """The environment without a forced host device count (tests set 8 fake devices)."""
+# XLA's CPU backend unoptimised, for smoke runs only: every step compiles about twice as fast
+# (gpu.sh's dry run measured 44 -> 22 s for its tiny step at load 8) and the few steps a tiny
+# run times run slower, which a smoke run's figures may (they mean nothing either way)
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def child_env(tiny: bool = False) -> dict[str, str]:
+    """The environment without a forced host device count (tests set 8 fake devices); with
+    ``tiny``, XLA's CPU backend unoptimised (:data:`SMOKE_XLA_FLAGS`).
+
+    Example:
+        >>> "xla_force_host_platform_device_count" in child_env().get("XLA_FLAGS", "")
+        False
+    """
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = flags.strip()
+    env["XLA_FLAGS"] = f"{flags} {SMOKE_XLA_FLAGS}".strip() if tiny else flags.strip()
     if not env["XLA_FLAGS"]:
         del env["XLA_FLAGS"]
     return env
@@ -236,7 +251,7 @@ def run_one(bench: Bench, tiny: bool, tmp: Path) -> tuple[list[Row], dict[str, A
     if bench.parse is None:
         cmd += ["--json", str(out_json)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, env=child_env(tiny), capture_output=True, text=True, check=False)
     record: dict[str, Any] = {
         "command": " ".join(cmd[1:]),
         "seconds": time.perf_counter() - start,
@@ -263,7 +278,11 @@ def run_one(bench: Bench, tiny: bool, tmp: Path) -> tuple[list[Row], dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results/results.json", help="JSON output path")
-    parser.add_argument("--tiny", action="store_true", help="smoke run of every benchmark")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smoke run of every benchmark (XLA CPU unoptimised: the figures mean nothing)",
+    )
     parser.add_argument(
         "--only", default="", help=f"comma list of: {', '.join(b.name for b in BENCHES)}"
     )

@@ -112,6 +112,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument(
+        "--enqueue-calls",
+        type=int,
+        default=20_000,
+        help="log_metrics calls (of 4 metrics) in each of the 3 enqueue-cost runs; a smoke run "
+        "needs few (every record is then written to SQLite, which a loaded machine makes slow)",
+    )
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
@@ -151,7 +158,7 @@ def main() -> None:
         med = statistics.median(samples)
         spread = f"{med * 1e3:.3f} [{min(samples) * 1e3:.3f}-{max(samples) * 1e3:.3f}]"
         print(f"{name:<24}{spread:>30}{med / base:>16.3f}")
-    costs = [enqueue_cost(uri, tmp / "e") for _ in range(3)]
+    costs = [enqueue_cost(uri, tmp / "e", args.enqueue_calls) for _ in range(3)]
     print(
         f"log_metrics (4 metrics) on the training thread: {statistics.median(costs):.2f} us "
         f"[{min(costs):.2f}-{max(costs):.2f}] per call"
