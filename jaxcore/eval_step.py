@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxcore._sums import LossFn, Metrics, _forward, _inputs, _mask, _reduce, _rows, _weights
 from jaxcore.compile import Step
+from jaxcore.guard import checked_forward
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import cast_floating, resolve_dtype
 from jaxcore.state import TrainState
@@ -83,11 +84,14 @@ def make_eval_step(
     batch_sharding: PyTree = None,
     state_sharding: PyTree = None,
     compute_dtype: Any = None,
+    input_checks: bool = False,
 ) -> Step:
     """A jitted ``eval_step(state, batch) -> sums`` for exact epoch means.
 
     Returns sums over the valid rows and their ``count``; divide the accumulated sums by the
-    accumulated count for means that padded rows never touch.
+    accumulated count for means that padded rows never touch. With ``input_checks`` it
+    returns ``(sums, check)``: the model's input checks (embedding indices), for
+    :func:`jaxcore.guard.raise_failed` at the epoch's end.
 
     Example:
         >>> import jax.numpy as jnp, jaxcore
@@ -117,11 +121,15 @@ def make_eval_step(
         sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
         return {"loss": _reduce(losses, mask, count), **sums, "count": count}
 
-    return Step(step, name="eval_step", in_shardings=(state_sharding, batch_sharding))
+    fn = checked_forward(step) if input_checks else step
+    return Step(fn, name="eval_step", in_shardings=(state_sharding, batch_sharding))
 
 
-def make_predict_step(model: ModelFns, *, compute_dtype: Any = None) -> Step:
-    """A jitted ``predict_step(state, batch) -> outputs`` in eval mode.
+def make_predict_step(
+    model: ModelFns, *, compute_dtype: Any = None, input_checks: bool = False
+) -> Step:
+    """A jitted ``predict_step(state, batch) -> outputs`` in eval mode (``(outputs, check)``
+    with ``input_checks``, as :func:`make_eval_step`).
 
     Example:
         >>> import jax.numpy as jnp, jaxcore
@@ -145,4 +153,4 @@ def make_predict_step(model: ModelFns, *, compute_dtype: Any = None) -> Step:
         )[0]
         return cast_floating(outputs, jnp.float32)
 
-    return Step(step, name="predict_step")
+    return Step(checked_forward(step) if input_checks else step, name="predict_step")

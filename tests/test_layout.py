@@ -182,3 +182,6 @@ def test_wheel_ships_conf_inside_torchshell(tmp_path: Path):
     assert "torchshell/app/cli.py" in names and "torchshell/tracking/_logger.py" in names
     assert not any(n.startswith("conf/") for n in names)
     assert any(n.endswith("entry_points.txt") for n in names)
+    packages = [n for n in files if n.split("/")[0] in PACKAGES and n.endswith("/__init__.py")]
+    missing = [n for n in packages if n not in names]
+    assert not missing, f"not in the wheel (list them in pyproject.toml's packages): {missing}"

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-import bridge
 import jaxcore
 from torchshell import _state_io
 from torchshell._errors import ConfigError
@@ -29,16 +28,7 @@ class CheckpointPart(_Shared):
         """
         if self.state is None:
             raise ConfigError("No trained state yet: run trainer.fit first.")
-        if self.torch_module is not None:
-            from torchshell.torch_model import params_to_state_dict
-
-            return params_to_state_dict(
-                self.state.params, self.state.model_state, self.torch_module
-            )
-        state = self.state.model_state
-        if getattr(self, "nnx_model", False):  # an NNX module's other variables: BatchStat
-            state = {"batch_stats": state} if state else {}
-        return bridge.export_state_dict({"params": self.state.params, **state}, twin)
+        return self.adapter.state_dict(self.state, twin)
 
     def on_fit_start(self) -> None:
         """A new ``fit`` of a trained module (not a resume) starts a new optimizer.
@@ -74,8 +64,12 @@ class CheckpointPart(_Shared):
         loader = self.trainer.train_dataloader
         if loader is None:
             return
-        batch = self._prepare(next(iter(loader)))
-        one = batch if self.flags.accumulate > 1 else self._one_step_view(batch)[1]
+        batch = self.adapter.prepare(next(iter(loader)))
+        one = (
+            batch
+            if self.flags.accumulate > 1
+            else self.adapter.one_step_view(batch, self.steps_per_call)[1]
+        )
         self.init_state(one)
 
     # -- checkpoints (directories: torchshell.checkpoint.OrbaxCheckpointIO) -----------------

@@ -140,7 +140,3 @@ class EmbeddingChecks:
             hit = (idx == padding_idx)[..., None]
             out = jnp.where(hit, jax.lax.stop_gradient(out), out)
         return self._env.j2t_iso(out)
-
-    def check(self, batch: Any) -> None:
-        """Nothing: the indices are checked inside the compiled step (kept for callers that
-        still call it per batch; to be removed with them)."""

@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import bridge
 import jaxcore
+from jaxcore.guard import first_failed, raise_failed
 from torchshell._batches import rows
 from torchshell._module_parts import _Shared
 from torchshell.data._sampler import real_rows, shard_sampler
@@ -27,18 +28,21 @@ __all__ = ["EvaluationPart"]
 class EvaluationPart(_Shared):
     # -- evaluation ----------------------------------------------------------------------
     def _eval(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
-        batch = self._unrepeated(self._prepare(batch), batch_idx, dataloader_idx)
+        batch = self._unrepeated(self.adapter.prepare(batch), batch_idx, dataloader_idx)
         state = self.init_state(batch)
         if self._eval_step is None:
             self._eval_step = jaxcore.make_eval_step(
                 self.model_fns,
                 self.loss_fn,
                 state_sharding=jaxcore.state_shardings(state),
-                batch_sharding=self.batch_sharding,
+                batch_sharding=self.placement.batch,
                 compute_dtype=self._compute_dtype,
+                input_checks=True,
             )
-        with self._batch_check(batch):
-            sums = self._eval_step(state, self._static(self._to_jax(batch), False))
+        with self.adapter.checked(batch):
+            sums, check = self._eval_step(state, self.adapter.to_jax(batch, train=False))
+        before_check = self._eval_check
+        self._eval_check = check if before_check is None else first_failed(before_check, check)
         before = self._eval_sums.get(dataloader_idx)
         self._eval_sums[dataloader_idx] = (
             sums if before is None else jax.tree.map(lambda a, b: a + b, before, sums)
@@ -52,7 +56,7 @@ class EvaluationPart(_Shared):
         far (counted from ``batch_idx == 0``, the start of the loader's pass) say where they
         begin. Batches of any other loader pass unchanged.
         """
-        shards: dict[int | None, list[Any]] = self.__dict__.setdefault("_eval_shards", {})
+        shards = self._eval_shards
         if batch_idx == 0 or dataloader_idx not in shards:  # a new pass over this loader
             shards[dataloader_idx] = [
                 real_rows(shard_sampler(self._eval_loader(dataloader_idx))),
@@ -92,6 +96,9 @@ class EvaluationPart(_Shared):
     def _eval_epoch_end(self, prefix: str) -> None:
         """Exact epoch means per loader: ``val/loss``, or with several loaders Lightning's
         ``val/loss/dataloader_idx_N``."""
+        check, self._eval_check = self._eval_check, None
+        if check is not None:  # ids past an embedding table (torch: IndexError)
+            raise_failed(check, f"in a {'validation' if prefix == 'val' else prefix} batch")
         every, self._eval_sums = jax.device_get(self._eval_sums), {}
         for idx, sums in every.items():
             count = float(sums.pop("count"))
@@ -118,12 +125,13 @@ class EvaluationPart(_Shared):
         self._eval_epoch_end("test")
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        batch = self._prepare(batch)
+        batch = self.adapter.prepare(batch)
         state = self.init_state(batch)
         if self._predict_step is None:
             self._predict_step = jaxcore.make_predict_step(
-                self.model_fns, compute_dtype=self._compute_dtype
+                self.model_fns, compute_dtype=self._compute_dtype, input_checks=True
             )
         n = rows(batch)
-        outputs = self._predict_step(state, self._static(self._to_jax(batch), False))
+        outputs, check = self._predict_step(state, self.adapter.to_jax(batch, train=False))
+        raise_failed(check, "in a predict batch")  # (the outputs come to the host anyway)
         return bridge.to_torch(outputs)[:n]

@@ -1,15 +1,14 @@
-"""The parts of :class:`~torchshell.module.JaxModule`, one concern each (mixins).
+"""The parts of :class:`~torchshell.module.JaxModule` that are not yet the adapter's.
 
 - :class:`TrainerFlagsPart`: the Lightning Trainer's flags, read when the module is attached
   (see :mod:`torchshell._flags`), and the optimizer they shape;
-- :class:`HandOverPart`: batches to JAX (named, padded with a mask, stacked for K steps or
-  an accumulation window);
 - :class:`~torchshell._evaluation.EvaluationPart` (its own module): exact masked
   validation/test means, and prediction;
 - :class:`~torchshell._checkpoint_part.CheckpointPart` (its own module): what a checkpoint
   holds of the JAX state, and restoring it.
 
-They share the attributes :class:`~torchshell.module.JaxModule` sets in ``__init__``.
+How batches are handed to JAX is the module's adapter's (:mod:`torchshell.adapters`). The
+parts share the attributes :class:`~torchshell.module.JaxModule` sets in ``__init__``.
 """
 
 from __future__ import annotations
@@ -22,18 +21,14 @@ from typing import Any
 
 import jax
 import lightning as L
-import numpy as np
 import optax
 import torch
 
 import bridge
 import jaxcore
-from torchshell._batches import check_fields, host_fields_out, name_batch, rows
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
 from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
-from torchshell._flax_checks import check_batch
-from torchshell._torch_static import specialise_batch
 
 Batch = Any
 
@@ -41,7 +36,7 @@ Batch = Any
 # step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
 _AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
-__all__ = ["HandOverPart", "TrainerFlagsPart"]
+__all__ = ["TrainerFlagsPart"]
 
 
 class _Shared(L.LightningModule):
@@ -61,12 +56,9 @@ class _Shared(L.LightningModule):
     hlo_dump_dir: Any
     print_summary: bool
     shard_fn: Any
-    batch_sharding: Any
-    stacked_sharding: Any
-    window_sharding: Any
+    placement: Any  # torchshell.adapters.Placement
+    adapter: Any  # torchshell.adapters.Adapter
     state: Any
-    torch_module: torch.nn.Module | None
-    transfer_stats: Any
     flags: TrainerFlags
     _flag_originals: dict[str, Any] | None
     _train_step: jaxcore.Step | None
@@ -78,30 +70,39 @@ class _Shared(L.LightningModule):
     _restore_dir: Path | None
     _restore_tensors: dict[str, torch.Tensor] | None
     _synced: Any  # the state whose weights torch_module holds
-    _fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
     _quiet: contextlib.ExitStack | None
-    _masks: dict[int, jax.Array]
     _window: list[Any]  # batches of the current accumulation window
     _micro_rows: list[int]
     _weigh_rows: bool
     _float_fields: list[str] | None
+    _stats_due: bool
+    _wants_outputs: tuple[Any, bool]
+    _gathered: list[Any]
+    _fork_warned: set[int]
+    _eval_shards: dict[int | None, list[Any]]
+    _eval_check: Any
     _last_metrics: dict[str, jax.Array]
     _pending: Any
     compile_stats: Any
     train_log: Any
+
+    @property
+    def torch_module(self) -> torch.nn.Module | None:
+        """The user's ``nn.Module`` (``from_torch``, ``from_lightning``), else ``None``."""
+        return self.adapter.torch_module  # type: ignore[no-any-return]
+
+    @property
+    def transfer_stats(self) -> bridge.TransferStats:
+        """Hand-over counts: bytes and copies of the batches given to JAX."""
+        return self.placement.stats  # type: ignore[no-any-return]
+
     # methods another part (or JaxModule) defines
     optimizer: Callable[[], optax.GradientTransformation]
     init_state: Callable[[Any], Any]
-    _prepare: Callable[[Any], Any]
-    _batch_check: Callable[[Any], contextlib.AbstractContextManager[None]]
-    _static: Callable[[Any, bool], Any]
-    _to_jax: Callable[..., Any]
-    _one_step_view: Callable[[Any], tuple[Any, Any, int]]
     torch_state_dict: Callable[..., dict[str, torch.Tensor]]
     _outputs_wanted: Callable[[], bool]
     _outputs_ahead: Callable[[Any, int, Any], dict[str, Any] | None]
     _step_forward: Callable[[Any, int], tuple[Any, jax.Array]]
-    _sample: Callable[[Any], Any]
 
 
 class TrainerFlagsPart(_Shared):
@@ -129,7 +130,7 @@ class TrainerFlagsPart(_Shared):
         from torchshell.data import loaders_in
         from torchshell.data._gathered import gatherable, read_by_gathers
 
-        gathered = self.__dict__.setdefault("_gathered", [])
+        gathered = self._gathered
         for loader in filter(gatherable, loaders_in(loaders)):
             if all(loader is not done for done in gathered):  # (validation runs repeat)
                 read_by_gathers(loader)
@@ -151,7 +152,7 @@ class TrainerFlagsPart(_Shared):
         """One warning per loader whose workers would fork after JAX started, with the fix."""
         from torchshell.data import forking_loaders
 
-        warned = self.__dict__.setdefault("_fork_warned", set())
+        warned = self._fork_warned
         for loader in forking_loaders(loaders):
             if id(loader) not in warned:
                 warned.add(id(loader))
@@ -212,8 +213,9 @@ class TrainerFlagsPart(_Shared):
     def teardown(self, stage: str) -> None:
         from torchshell.data._gathered import read_normally
 
-        for loader in self.__dict__.pop("_gathered", []):
+        for loader in self._gathered:
             read_normally(loader)
+        self._gathered = []
         if self._quiet is not None:
             self._quiet.close()
             self._quiet = None
@@ -235,81 +237,3 @@ class TrainerFlagsPart(_Shared):
         if self.flags.clip_val is None:
             return self.tx
         return optax.chain(torch_clip(self.flags.clip_val, self.flags.clip_algorithm), self.tx)
-
-
-class HandOverPart(_Shared):
-    # -- hand-over ---------------------------------------------------------------------------
-    def _prepare(self, batch: Any) -> Any:
-        """The batch as the model reads it: named fields for the Flax path."""
-        named = name_batch(batch, self.batch_keys)
-        check_batch(self, named)  # nn.Embed ids, negative lengths, masks: refused like torch
-        return host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
-
-    def _global_rows(self, batch: Batch) -> int:
-        """Rows of the padded global batch: the batch rounded up to the data axis."""
-        ways = self.mesh.shape[self.data_axis]
-        return -(-rows(batch) // ways) * ways
-
-    def _to_jax(self, batch: Batch, rows_: int | None = None) -> Any:
-        rows_ = self._global_rows(batch) if rows_ is None else rows_
-        if "mask" in batch or rows(batch) != rows_:  # ragged: padded, with a mask of real rows
-            return bridge.to_jax(
-                batch, self.batch_sharding, pad_to=rows_, stats=self.transfer_stats
-            )
-        # a full batch: its all-true mask is made on device once, not handed over each step
-        out = bridge.to_jax(batch, self.batch_sharding, stats=self.transfer_stats)
-        out["mask"] = self._full_mask(rows_ * jax.process_count())
-        return out
-
-    def _full_mask(self, n: int) -> jax.Array:
-        mask = self._masks.get(n)
-        if mask is None:
-            mask = self._masks[n] = jax.device_put(np.ones(n, bool), self.batch_sharding)
-        return mask
-
-    def _stack(self, batches: list[Any]) -> Any:
-        """m batches of one window as ``[m, B, ...]`` (padded to the first one's rows)."""
-        n = self._global_rows(batches[0])
-        padded = [bridge.pad_batch(b, n) for b in batches]
-        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
-        return bridge.to_jax(stacked, self.window_sharding, stats=self.transfer_stats)
-
-    def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
-        """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
-        self._window.append(batch)
-        m = self.flags.accumulate
-        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if len(self._window) < m and not last:
-            return None
-        window, self._window = self._window, []
-        self._micro_rows = [self._global_rows(b) for b in window]
-        return self._stack(window), window[0], self._global_rows(window[0]), len(window)
-
-    def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
-        """``(jax batch, one step's torch batch, rows per step)`` for K steps per call."""
-        k = self.steps_per_call
-        if k == 1:
-            return self._static(self._to_jax(batch), True), batch, self._global_rows(batch)
-        n = rows(batch)
-        ways = self.mesh.shape[self.data_axis]
-        if n % k or (n // k) % ways:
-            raise ConfigError(
-                f"steps_per_call={k} needs training batches of K*B rows with B divisible by "
-                f"the data axis ({ways}), got {n} rows. Fix: set the DataLoader batch size "
-                f"to {k} x (a multiple of {ways}) and drop_last=True for training."
-            )
-        views = {name: t.view(k, n // k, *t.shape[1:]) for name, t in batch.items()}
-        jbatch = bridge.to_jax(views, self.stacked_sharding, stats=self.transfer_stats)
-        return jbatch, {name: t[: n // k] for name, t in batch.items()}, n // k
-
-    def _static(self, jbatch: Any, train: bool) -> Any:
-        """The batch plus the values a traced torch forward reads in Python (a no-op for
-        other models): the step compiles once per distinct value (``compile/recompiles``)."""
-        return specialise_batch(self.model_fns, jbatch, train)
-
-    def _batch_check(self, batch: Any) -> contextlib.AbstractContextManager[None]:
-        return check_fields(self._fields, batch)
-
-    def _sample(self, batch: Any) -> Any:
-        """A JAX batch with one step's shapes, to build the state from."""
-        return self._static(self._to_jax(batch), True)

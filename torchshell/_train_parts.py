@@ -66,7 +66,7 @@ class StepPart(_Shared):
                 weigh_rows=self._weigh_rows,
             )
         state = self.init_state(batch)
-        return self._train_forward(state, self._sample(batch), np.int32(i))  # type: ignore[no-any-return]
+        return self._train_forward(state, self.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
 
     def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step for this call (a short or ragged accumulation window has its
@@ -89,7 +89,7 @@ class StepPart(_Shared):
         call is dispatched (their cost analysis is not on the way to the first step)."""
         self._train_step = self._make_train_step(micro, state)
         self.compile_stats = self._train_step.compile(state, jbatch, dump_dir=self.hlo_dump_dir)
-        self.__dict__["_stats_due"] = True
+        self._stats_due = True
 
     def _compile_beside_init(self, one: Any, micro: int, jbatch: Any) -> None:
         """The first batch: the state's init program compiles in the background while the
@@ -103,7 +103,7 @@ class StepPart(_Shared):
         return jaxcore.start_train_state(
             self.model_fns,
             self.optimizer(),
-            self._sample(batch),
+            self.adapter.sample(batch),
             seed=self.seed,
             mesh=self.mesh,
             param_shardings=self.shard_fn,
@@ -147,14 +147,14 @@ class TrainLogPart(_Shared):
             return False
         callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
         key = (id(self._trainer), len(callbacks))
-        if self.__dict__.get("_wants_outputs", (None,))[0] != key:  # once per fit, not step
+        if self._wants_outputs[0] != key:  # once per fit, not step
             wanted = any(
                 not type(cb).__module__.startswith(("lightning.", "torchshell."))
                 and is_overridden("on_train_batch_end", cb, parent=L.Callback)
                 for cb in callbacks
             )
-            self.__dict__["_wants_outputs"] = (key, wanted)
-        return bool(self.__dict__["_wants_outputs"][1])
+            self._wants_outputs = (key, wanted)
+        return self._wants_outputs[1]
 
     def _outputs(self, metrics: Mapping[str, jax.Array] | None) -> dict[str, torch.Tensor] | None:
         if metrics is None or not self._outputs_wanted():

@@ -155,7 +155,7 @@ class WindowPart:
 
     def _can_window(self, jbatch: Any, batch: Any) -> bool:
         t: Any = self
-        return t._static(jbatch, True) is jbatch and "mask" not in batch  # (no Python reads)
+        return not t.adapter.reads_values(jbatch) and "mask" not in batch
 
     def _measuring(self) -> bool:
         if not self._auto or self._k is not None:
@@ -227,9 +227,10 @@ class WindowPart:
             if any("mask" in b for b in padded):
                 padded = [bridge.pad_batch(b, n) for b in padded]
             stacked = {name: torch.stack([b[name] for b in padded]) for name in padded[0]}
-            jbatch = bridge.to_jax(stacked, t.window_sharding, stats=t.transfer_stats)
+            p = t.placement
+            jbatch = bridge.to_jax(stacked, p.window, stats=p.stats)
             if "mask" not in jbatch:
-                jbatch["mask"] = self._window_mask(k, n)
+                jbatch["mask"] = p.window_mask(k, n)
             if self._window_step is None:
                 self._window_step = jaxcore.make_train_step(
                     t.model_fns,
@@ -246,22 +247,12 @@ class WindowPart:
             step_fn = t._train_step
             metrics = {}
             for b in batches:
-                jbatch, one, _ = t._one_step_view(b)
-                with t._batch_check(one):
+                jbatch, one, _ = t.adapter.one_step_view(b, 1)
+                with t.adapter.checked(one):
                     state, metrics = step_fn(state, jbatch)
         self.__dict__["_state_value"] = state
         self._last_metrics = metrics
         return metrics
-
-    def _window_mask(self, k: int, n: int) -> jax.Array:
-        t: Any = self
-        key = -(k * 100_003 + n)  # (the K=1 masks are keyed by their row count)
-        mask = t._masks.get(key)
-        if mask is None:
-            import numpy as np
-
-            mask = t._masks[key] = jax.device_put(np.ones((k, n), bool), t.window_sharding)
-        return mask
 
     @property
     def window_compiles(self) -> int:

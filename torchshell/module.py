@@ -16,16 +16,15 @@ import torch
 from flax import nnx
 from jax.sharding import Mesh
 
-import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell import _state_io
-from torchshell._batches import float_fields, positional_keys, signature
+from torchshell._batches import float_fields, positional_keys
 from torchshell._checkpoint_part import CheckpointPart
 from torchshell._errors import ConfigError
 from torchshell._evaluation import EvaluationPart
 from torchshell._flags import TrainerFlags
-from torchshell._module_parts import HandOverPart, TrainerFlagsPart
+from torchshell._module_parts import TrainerFlagsPart
 from torchshell._torch_loss import (
     is_torch_loss,
     torch_function_loss,
@@ -35,9 +34,10 @@ from torchshell._torch_loss import (
 from torchshell._train_log import TrainLog
 from torchshell._train_parts import StepPart, TrainLogPart
 from torchshell._windows import WindowPart, resolve_steps_per_call
+from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 from torchshell.checkpoint import restore_state
+from torchshell.optim import map_configure_optimizers
 from torchshell.port._module import LightningParts
-from torchshell.port._optim import map_configure_optimizers
 from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -49,7 +49,6 @@ class JaxModule(
     TrainLogPart,
     WindowPart,
     TrainerFlagsPart,
-    HandOverPart,
     EvaluationPart,
     CheckpointPart,
 ):
@@ -137,7 +136,7 @@ class JaxModule(
         self.automatic_optimization = False
         self.batch_keys = tuple(batch_keys)
         names = [self._input_name(i) for i in inputs]
-        self.nnx_model = isinstance(model, nnx.Module)
+        nnx_model = isinstance(model, nnx.Module)
         if isinstance(model, ModelFns):
             self.model_fns = model
         elif isinstance(model, nnx.Module):  # Flax NNX: params as a plain nested dict
@@ -172,17 +171,12 @@ class JaxModule(
         self.shard_fn = jaxcore.state_sharding_fn(
             self.mesh, sharding, rules, data_axis=data_axis, model_axis=model_axis
         )
-        self.batch_sharding = jaxcore.batch_sharding(self.mesh, data_axis=data_axis)
-        self.stacked_sharding = jaxcore.batch_sharding(
-            self.mesh, data_axis=data_axis, steps_per_call=steps_per_call
-        )
-        self.window_sharding = jaxcore.batch_sharding(  # [m, B, ...] accumulation windows
-            self.mesh, data_axis=data_axis, steps_per_call=2
+        self.placement = Placement(self.mesh, data_axis, steps_per_call)
+        self.adapter: Adapter = FlaxAdapter(
+            self.model_fns, self.placement, self.batch_keys, nnx_model=nnx_model
         )
         self.state: TrainState | None = None
-        self.torch_module: torch.nn.Module | None = None
         self._synced: Any = None  # the state whose weights torch_module holds
-        self.transfer_stats = bridge.new_stats()
         self.compile_stats: jaxcore.CompileStats | None = None
         self.summary = ""
         self.flags = TrainerFlags()
@@ -199,11 +193,15 @@ class JaxModule(
         self._restore_tensors: dict[str, torch.Tensor] | None = None
         self._window: list[Any] = []  # batches of the current accumulation window
         self._micro_rows: list[int] = []  # the rows of each batch of the last window
-        self._fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._float_fields: list[str] | None = None  # names the input NaN/Inf came in
         self._quiet: contextlib.ExitStack | None = None
-        self._masks: dict[int, jax.Array] = {}
         self.train_log = TrainLog(self._emit)
+        self._stats_due = False  # the first compile's statistics: logged after its step
+        self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
+        self._gathered: list[Any] = []  # loaders read by gathers while a run lasts
+        self._fork_warned: set[int] = set()
+        self._eval_shards: dict[int | None, list[Any]] = {}  # a loader's real rows, seen
+        self._eval_check: Any = None  # the first failed input check of this eval epoch
 
     def _input_name(self, key: str | int) -> str:
         if isinstance(key, int):
@@ -266,7 +264,7 @@ class JaxModule(
         keys = tuple(kwargs.get("batch_keys", ("x", "y")))
         names = [keys[i] if isinstance(i, int) else i for i in inputs]
         jm = cls(torch_model_fns(module, names), loss_fn, optimizer, inputs=names, **kwargs)
-        object.__setattr__(jm, "torch_module", module)  # not a submodule: no torch params
+        jm.adapter = TorchAdapter(jm.model_fns, jm.placement, jm.batch_keys, module)
         return jm
 
     @classmethod
@@ -299,8 +297,7 @@ class JaxModule(
                 state = _state_io.state_from_tensors(self._restore_tensors, state)
                 self._restore_tensors = None
             self.state = state
-            if isinstance(batch, Mapping):
-                self._fields = signature(batch)
+            self.adapter.planned(batch)
             self.summary = param_summary(state.params)
             if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
                 print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
@@ -315,7 +312,7 @@ class JaxModule(
         loop never waits for the device.
         """
         t0 = time.perf_counter()
-        raw, batch = batch, self._prepare(batch)
+        raw, batch = batch, self.adapter.prepare(batch)
         if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
             self._float_fields = float_fields(batch)
         m = self.flags.accumulate
@@ -323,7 +320,7 @@ class JaxModule(
             metrics = self._buffer_batch(batch)
             every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
             if metrics is not None and self.trainer.global_step % every == 0:
-                self._queue_log(metrics, self._global_rows(batch))
+                self._queue_log(metrics, self.adapter.global_rows(batch))
             self.train_log.compute += time.perf_counter() - t0
             return None  # (windows: no callback reads the outputs, see _outputs_wanted)
         if m > 1:
@@ -341,7 +338,7 @@ class JaxModule(
             jbatch, one, rows_, micro = window
             steps = 1
         else:
-            jbatch, one, rows_ = self._one_step_view(batch)
+            jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
             micro, steps = self.accum_steps, self.steps_per_call
             ahead = self._outputs_ahead(batch, 0, raw)
         if self.state is None and self._train_step is None and m == 1:
@@ -349,12 +346,13 @@ class JaxModule(
         self.init_state(one)
         step_fn = self._step_for(micro, jbatch)
         before = self.trainer.global_step
-        with self._batch_check(one):
+        with self.adapter.checked(one):
             if self._measuring():
                 metrics = self._measure(step_fn, jbatch, one)
             else:
                 self.state, metrics = step_fn(self.state, jbatch)
-        if self.__dict__.pop("_stats_due", False) and self.compile_stats is not None:
+        if self._stats_due and self.compile_stats is not None:
+            self._stats_due = False
             self._log_to_loggers(
                 {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
             )
@@ -368,6 +366,17 @@ class JaxModule(
         if self._logging_step(before):
             self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
         return ahead if ahead is not None else self._outputs(metrics)
+
+    def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
+        """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
+        self._window.append(batch)
+        m = self.flags.accumulate
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if len(self._window) < m and not last:
+            return None
+        window, self._window = self._window, []
+        rows_ = self._micro_rows = [self.adapter.global_rows(b) for b in window]
+        return self.adapter.stack(window, m), window[0], rows_[0], len(window)
 
     def on_train_epoch_end(self) -> None:
         self._window = []  # (a window never spans epochs: the last batch closes it)

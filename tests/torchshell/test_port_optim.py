@@ -23,8 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.torchshell import port_helpers as H
 from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
-from torchshell.port._optim import map_configure_optimizers
-from torchshell.port._optim_state import state_from_torch, state_to_torch
+from torchshell.optim import map_configure_optimizers, state_from_torch, state_to_torch
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),

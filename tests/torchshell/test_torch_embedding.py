@@ -182,3 +182,39 @@ def test_a_lightning_eval_hook_reports_ids_past_the_table_with_its_logs() -> Non
     msg = str(err.value)
     assert "['ids'] indexes an embedding table of 30 rows (net.emb: nn.Embedding[30, 8])" in msg
     assert "but holds 30 in a validation_step batch. torch raises IndexError" in msg, msg
+
+
+def _flax(shift: int = 0) -> JaxModule:
+    return JaxModule(
+        _FlaxTagger(shift),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=0.1),
+        inputs=("ids",),
+        print_summary=False,
+    )
+
+
+@pytest.mark.parametrize("path", ["flax", "from_torch", "from_lightning"])
+def test_validation_refuses_ids_past_the_table_through_the_trainer(path: str) -> None:
+    """``trainer.validate`` with one bad batch among good ones: the compiled eval step keeps
+    its first failed check, read once at the epoch's end (torch raises IndexError there)."""
+    torch.manual_seed(0)
+    module = {
+        "flax": lambda: _flax(),
+        "from_torch": lambda: _from_torch(LOSSES["jax_loss"]),
+        "from_lightning": lambda: JaxModule.from_lightning(_EvalBag(), print_summary=False),
+    }[path]()
+    good = DataLoader(_batches(None, 0), batch_size=None)
+    quiet_trainer().validate(module, good)  # in range: nothing raised
+    with pytest.raises(jaxcore.BatchError) as err:
+        quiet_trainer().validate(module, DataLoader(_batches(VOCAB, 1), batch_size=None))
+    msg = str(err.value)
+    assert "['ids'] indexes " in msg and f"of {VOCAB} rows" in msg, msg
+    assert f"but holds {VOCAB} in a validation" in msg, msg
+
+
+def test_predict_refuses_ids_past_the_table() -> None:
+    module = _flax()
+    quiet_trainer().predict(module, DataLoader(_batches(None, 0), batch_size=None))
+    with pytest.raises(jaxcore.BatchError, match="but holds 49 in a predict batch"):
+        quiet_trainer().predict(module, DataLoader(_batches(49, 2), batch_size=None))

@@ -10,8 +10,8 @@ math (:func:`map_configure_optimizers`), and clips gradients like Lightning
 from typing import Any
 
 from torchshell._clip import torch_clip
+from torchshell.optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._logs import LogSpec
-from torchshell.port._optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._trace import LightningPort
 
 __all__ = [

@@ -15,13 +15,15 @@ import bridge
 from torchshell import _state_io
 from torchshell._errors import ConfigError
 from torchshell._module_parts import _Shared
-from torchshell.port._optim_state import state_from_torch, state_to_torch
+from torchshell.optim import state_from_torch, state_to_torch
 from torchshell.port._weights import changed_tensors, tensor_versions
 
 __all__ = ["PortCheckpointPart"]
 
 
 class PortCheckpointPart(_Shared):
+    _host_versions: Any  # the user's tensors' versions when last synced
+
     def _with_weights(self, state: Any, sd: Mapping[str, torch.Tensor]) -> Any:
         """The state with a plain Lightning checkpoint's weights (and optimizer state)."""
 
@@ -60,7 +62,7 @@ class PortCheckpointPart(_Shared):
         fresh = self._synced is not self.state
         super()._sync_user_weights()
         if fresh and self.state is not None and self._synced is self.state:
-            self.__dict__["_host_versions"] = tensor_versions(self.port.module)
+            self._host_versions = tensor_versions(self.port.module)
 
     def _write_back_host(self) -> None:
         """Weights the user's host code changed in place since they were synced into the
@@ -68,7 +70,7 @@ class PortCheckpointPart(_Shared):
         statistics after an epoch-end ``self(z)`` in train mode, a weight clamp in
         ``on_train_batch_end``. (Compared with a copy taken at the sync; nothing is compared
         when no host code read the weights since the last step.)"""
-        versions = self.__dict__.get("_host_versions")
+        versions = self._host_versions
         if self.state is None or self._synced is not self.state or not versions:
             return
         changed = changed_tensors(self.port.module, versions)
@@ -89,7 +91,7 @@ class PortCheckpointPart(_Shared):
                 params=put(self.state.params), model_state=put(self.state.model_state)
             )
             self._synced = self.state
-            self.__dict__["_host_versions"] = tensor_versions(self.port.module)
+            self._host_versions = tensor_versions(self.port.module)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         self._write_back_host()

@@ -1,4 +1,4 @@
-"""Trainer values a traced manual ``training_step`` reads: one compiled step per value set.
+"""Trainer values a traced ``training_step`` reads: one compiled step per value set.
 
 Lightning's docs step a scheduler per epoch from ``training_step``:
 ``if self.trainer.is_last_batch and (self.trainer.current_epoch + 1) % N == 0: sch.step()``.
@@ -7,8 +7,10 @@ batch would keep ``is_last_batch=False`` for every batch, and never step. So whi
 ``training_step`` is traced, reads of :data:`SPECIALISED` by the user's code are recorded
 with the values they gave; before each batch the compiled step traced with the values the
 Trainer holds now is used, traced anew when there is none (``is_last_batch``: two
-programs; ``current_epoch``: one per epoch where it is read). ``global_step`` changes every
-step, so a read of it is refused, naming it and the fix.
+programs; ``current_epoch``: one per epoch where it is read). The same holds under automatic
+optimization (``if self.current_epoch < 5: loss = loss + penalty``). ``global_step`` changes
+every step: under manual optimization a read of it is refused, naming it and the fix; under
+automatic optimization it is left as it was (docs/porting.md).
 """
 
 from __future__ import annotations
@@ -28,25 +30,29 @@ __all__ = ["SPECIALISED", "reads_hold", "watching_trainer"]
 SPECIALISED = ("is_last_batch", "current_epoch")
 _REFUSED = ("global_step",)
 _LIGHTNING = str(Path(L.__file__).parent)
+# frames a read passes through on its way from the user's code: Lightning's properties
+# (``self.current_epoch``) and the trace's counting class (:func:`port._logs._counting_class`)
+_PASSING = (_LIGHTNING, str(Path(__file__).with_name("_logs.py")))
 _OURS = tuple(str(Path(__file__).parents[2] / p) for p in ("torchshell", "jaxcore", "bridge"))
 
 
 def _user_frame() -> bool:
     """Whether the property was read by the user's code (not Lightning's, not coreshell's)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIGHTNING):
+    while frame is not None and frame.f_code.co_filename.startswith(_PASSING):
         frame = frame.f_back
     return frame is not None and not frame.f_code.co_filename.startswith(_OURS)
 
 
 @contextlib.contextmanager
-def watching_trainer(owner: str, reads: dict[str, Any]) -> Iterator[None]:
+def watching_trainer(owner: str, reads: dict[str, Any], manual: bool = True) -> Iterator[None]:
     """While tracing: the user's reads of :data:`SPECIALISED` Trainer values go into
-    ``reads`` (name: value), a read of ``global_step`` is refused.
+    ``reads`` (name: value); under manual optimization a read of ``global_step`` is refused.
 
     Args:
         owner: the user's module's class name (for the message).
         reads: filled with what was read.
+        manual: the step is a manual-optimization one.
 
     Example:
         >>> reads = {}
@@ -55,7 +61,7 @@ def watching_trainer(owner: str, reads: dict[str, Any]) -> Iterator[None]:
         >>> reads
         {}
     """
-    saved = {name: L.Trainer.__dict__[name] for name in SPECIALISED + _REFUSED}
+    saved = {name: L.Trainer.__dict__[name] for name in SPECIALISED + (_REFUSED if manual else ())}
 
     def recorder(name: str) -> property:
         def get(trainer: Any) -> Any:

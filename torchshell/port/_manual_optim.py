@@ -3,7 +3,7 @@ torch's update math, its schedulers counted by the user's own ``scheduler.step()
 
 Under ``automatic_optimization = False`` Lightning never steps anything: ``training_step``
 calls ``opt.step()`` and ``sch.step()`` itself. Each optimizer becomes a
-:class:`~torchshell.port._optim.MappedOptimizer` (the same math and param groups as the
+:class:`~torchshell.optim._map.MappedOptimizer` (the same math and param groups as the
 automatic path); a scheduler's hyperparameter tables are indexed by how many times the user
 stepped it (:class:`ManualOptState.sched`), the optimizer's own step count by its
 ``opt.step()`` calls (:class:`ManualOptState.opt`).
@@ -26,10 +26,10 @@ from lightning.pytorch.core.optimizer import (
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from torchshell._errors import ConfigError
-from torchshell.port._optim import _MAPPED, MappedOptimizer, map_configure_optimizers
-from torchshell.port._optim_rules import Rule, Slots, TorchOptState
-from torchshell.port._optim_state import state_from_torch, state_to_torch
-from torchshell.port._sched import FIX, is_plateau, run_schedule
+from torchshell.optim import state_from_torch, state_to_torch
+from torchshell.optim._map import _MAPPED, MappedOptimizer, map_configure_optimizers
+from torchshell.optim._rules import Rule, Slots, TorchOptState
+from torchshell.optim._sched import FIX, is_plateau, run_schedule
 
 __all__ = ["ManualOptState", "ManualPlan", "map_manual"]
 

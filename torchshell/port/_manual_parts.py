@@ -14,7 +14,7 @@ import jax
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.port._host_reads import reads_hold
+from torchshell.port._host_reads import reads_hold, watching_trainer
 from torchshell.port._manual import manual_step
 from torchshell.port._manual_optim import ManualPlan, map_manual
 
@@ -42,6 +42,8 @@ class ManualParts:
     _synced: Any
     steps_per_call: int
     accum_steps: int
+    _manual_total: int | None
+    _host_steps: list[tuple[dict[str, Any], Any]]
 
     @property
     def manual(self) -> bool:
@@ -90,9 +92,9 @@ class ManualParts:
             elif not math.isinf(batches):
                 epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
                 total = int(batches) * epochs
-        if self.port.manual_plan is not None and self.__dict__.get("_manual_total") == total:
+        if self.port.manual_plan is not None and self._manual_total == total:
             return
-        self.__dict__["_manual_total"] = total
+        self._manual_total = total
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
@@ -123,28 +125,25 @@ class ManualParts:
         )
 
     def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
-        """Under manual optimization, each compiled step is kept with the Trainer values its
-        trace read (``is_last_batch``...: :mod:`torchshell.port._host_reads`)."""
-        if not self.manual:
-            super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
-            return
+        """Each compiled step is kept with the Trainer values its trace read
+        (``is_last_batch``...: :mod:`torchshell.port._host_reads`)."""
         self.port.host_reads = {}
-        super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
+        if self.manual:  # (watched inside the manual step's own trace)
+            super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
+        else:
+            with watching_trainer(type(self.port.module).__name__, self.port.host_reads, False):
+                super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
         self._host_steps.append((dict(self.port.host_reads), self._train_step))
 
     def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step traced with the Trainer values of this batch (traced anew for
         values none was traced with)."""
-        if self.manual and self._train_step is not None and self._host_steps:
-            self._train_step = next(
-                (s for reads, s in self._host_steps if reads_hold(self.trainer, reads)), None
-            )
+        if self._train_step is None:  # rebuilt (new flags, a new optimizer): none holds
+            self._host_steps.clear()
+        elif self._host_steps and self._host_steps[0][0]:  # (no reads: the one program)
+            found = (s for reads, s in self._host_steps if reads_hold(self.trainer, reads))
+            self._train_step = next(found, None)
         return super()._step_for(micro, jbatch)  # type: ignore[misc,no-any-return]
-
-    @property
-    def _host_steps(self) -> list[tuple[dict[str, Any], Any]]:
-        """Compiled manual steps with the Trainer values each was traced with."""
-        return self.__dict__.setdefault("_host_step_list", [])  # type: ignore[no-any-return]
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Under manual optimization ``global_step`` counts ``opt.step()`` calls, as in

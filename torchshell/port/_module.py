@@ -5,7 +5,7 @@ What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 - batches reach ``training_step`` with the structure the DataLoader gave (tuples, dicts,
   nested); nothing is padded (a ragged batch compiles once more, counted): the user's loss
   is a mean over the rows it is given, as in plain Lightning;
-- ``configure_optimizers`` is read and mapped onto optax (:mod:`torchshell.port._optim`);
+- ``configure_optimizers`` is read and mapped onto optax (:mod:`torchshell.optim._map`);
   its torch optimizers are also handed to Lightning, so ``LearningRateMonitor`` and the
   checkpoint's ``optimizer_states`` see them (their ``lr`` follows the JAX schedule);
 - ``self.log`` values: on-step ones at the logging cadence, on-epoch ones as exact means
@@ -17,32 +17,26 @@ What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import lightning as L
 import optax
 import torch
-from jax.sharding import NamedSharding, PartitionSpec
 
-import bridge
 import jaxcore
 from torchshell._batches import (
-    MicroBatches,
-    containers_as_nodes,
     host_fields_back,
-    host_fields_out,
 )
 from torchshell._errors import ConfigError
-from torchshell._flax_checks import check_lengths_and_masks
 from torchshell._module_parts import _Shared
+from torchshell.optim import MappedOptimizer
+from torchshell.port._adapter import LightningAdapter
 from torchshell.port._ckpt_part import PortCheckpointPart
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._manual_parts import ManualParts
-from torchshell.port._optim import MappedOptimizer
 from torchshell.port._optim_part import PortOptimizerPart
+from torchshell.port._repeats import RepeatedRows
 from torchshell.port._trace import LightningPort
 from torchshell.port._user import UserEvaluation, UserMetrics
 from torchshell.port._weights import synced_on_read
@@ -97,17 +91,6 @@ _OPTIMIZER_HOOKS = (
 )
 
 
-def _first_rows(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.shape[0] if tree.ndim else 1
-    items = tree.values() if isinstance(tree, Mapping) else tree
-    if isinstance(tree, (Mapping, list, tuple)):
-        for item in items:
-            if n := _first_rows(item):
-                return n
-    return 0
-
-
 class LightningParts(
     PortOptimizerPart, PortCheckpointPart, ManualParts, UserMetrics, UserEvaluation, _Shared
 ):
@@ -144,7 +127,7 @@ class LightningParts(
             )
         super().__init__(port.model_fns(), port.loss_fn, optimizer, **kwargs)
         object.__setattr__(self, "port", port)  # the user's module is not a submodule
-        object.__setattr__(self, "torch_module", module)
+        self.adapter = LightningAdapter(self.model_fns, self.placement, port)
         self.mapped: MappedOptimizer | None = None
         self._returned: Any = None  # configure_optimizers(): Lightning holds (and restores) it
         self._pristine: Any = None  # a copy as first returned: the schedule is mapped from it
@@ -154,6 +137,11 @@ class LightningParts(
         self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
         self._restore_step = 0
         self._eval_steps: dict[str, jaxcore.Step] = {}
+        self._repeats = RepeatedRows()  # rows a DistributedSampler repeated, per loader
+        self._host_versions: Any = None  # the user's tensors' versions when last synced
+        self._manual_total: int | None = None  # the step count the manual plan was made for
+        # compiled manual steps, with the Trainer values each was traced with
+        self._host_steps: list[tuple[dict[str, Any], Any]] = []
         for hook in _EVAL_HOOKS[:2]:  # Lightning skips a loop whose hook is not overridden
             # (predict_step stays: Lightning's default one calls the module's forward)
             if not port.overrides(hook):
@@ -285,55 +273,6 @@ class LightningParts(
             self._sync_torch_lr()
         super().on_train_batch_end(outputs, batch, batch_idx)
 
-    # -- hand-over: the user's structure, no padding -------------------------------------------
-    def _prepare(self, batch: Any) -> Any:
-        if isinstance(batch, Mapping):  # named fields: negative lengths, misfit masks
-            check_lengths_and_masks(batch, row_mask=False)  # its 'mask' is the user's
-        self.port.embeddings.check(batch)  # (the fields are known once the step is traced)
-        return host_fields_out(batch)
-
-    def _leading(self, tree: Any, axis: int = 0) -> int:
-        sizes = {t.shape[axis] for t in jax.tree.leaves(tree) if getattr(t, "ndim", 0) > axis}
-        return sizes.pop() if len(sizes) == 1 else 0
-
-    def _placed(self, tree: Any, stacked: bool) -> Any:
-        ways = self.mesh.shape[self.data_axis]
-        n = self._leading(tree, 1 if stacked else 0)
-        if n and n % ways == 0:
-            sharding = self.window_sharding if stacked else self.batch_sharding
-        else:  # rows the data axis does not divide: the whole batch on every device
-            sharding = NamedSharding(self.mesh, PartitionSpec())
-        return bridge.to_jax(tree, sharding, stats=self.transfer_stats)
-
-    def _to_jax(self, batch: Any, rows_: int | None = None) -> Any:
-        return self._placed(batch, stacked=False)
-
-    def _sample(self, batch: Any) -> Any:
-        containers_as_nodes(batch)  # (the first batch may come before any hand-over)
-        return self.port.specialise("training_step", self._placed(batch, stacked=False), True)
-
-    def _global_rows(self, batch: Any) -> int:
-        """Rows of a batch: its fields' common leading size, else Lightning's batch size (the
-        first tensor's, in the batch's own order: e.g. a dict of several loaders' batches)."""
-        return self._leading(batch) or _first_rows(batch)
-
-    def _stack(self, batches: list[Any]) -> Any:
-        """The window's batches stacked ``[m, B, ...]``; as :class:`MicroBatches` when their
-        shapes differ (a ragged last batch: the step unrolls them, each its own shape)."""
-        self.port.specialise("training_step", self._placed(batches[0], stacked=False), True)
-        if self.port.needs_statics("training_step"):
-            raise ConfigError(
-                f"accumulate_grad_batches={self.flags.accumulate}: "
-                f"{type(self.port.module).__name__}.training_step reads batch values in Python "
-                "(e.g. int(lengths.max())), which differ between the accumulated batches of "
-                "one compiled step. Fix: accumulate_grad_batches=1 with a larger batch, or "
-                "keep those values tensors (masks instead of lengths.max())."
-            )
-        if len({repr(jax.tree.map(lambda t: tuple(t.shape), b)) for b in batches}) > 1:
-            return MicroBatches(self._placed(b, stacked=False) for b in batches)
-        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *batches)
-        return self._placed(stacked, stacked=True)
-
     def _grads_fn(self) -> Any:
         """The module's ``on_after_backward``/``on_before_optimizer_step``, traced on the
         step's gradients (``LightningPort.grads_fn``), or ``None`` when it has neither."""
@@ -352,24 +291,10 @@ class LightningParts(
         optimizers = self.trainer.optimizers if self._trainer is not None else []
         return self.port.grads_fn(hooks, optimizers[0] if optimizers else None)
 
-    def _one_step_view(self, batch: Any) -> tuple[Any, Any, int]:
-        if self.steps_per_call > 1:
-            raise ConfigError(
-                "steps_per_call > 1 is not supported by JaxModule.from_lightning (the user's "
-                "batches are not re-stacked). Fix: use steps_per_call=1."
-            )
-        jbatch = self.port.specialise("training_step", self._placed(batch, stacked=False), True)
-        return jbatch, batch, self._global_rows(batch)
-
-    def _batch_check(self, batch: Any) -> Any:
-        return contextlib.nullcontext()  # the traced step names its own errors
-
     # -- weights -----------------------------------------------------------------------------
     def init_state(self, batch: Any) -> Any:
         fresh = self.state is None
         state = super().init_state(batch)
-        if fresh:
-            self.port.embeddings.check(batch)  # the batch the trace found the fields on
         if fresh and self._restore_weights is not None:
             self.state = self._with_weights(state, self._restore_weights)
             self._restore_weights = None

@@ -1,5 +1,5 @@
 """The port's optimizer: the user's ``configure_optimizers`` mapped onto optax (see
-:mod:`torchshell.port._optim`), its schedulers' learning rates kept in step with the torch
+:mod:`torchshell.optim._map`), its schedulers' learning rates kept in step with the torch
 optimizers, ``ReduceLROnPlateau`` stepped on the monitored value (a part of
 :class:`~torchshell.port._module.LightningParts`)."""
 
@@ -17,9 +17,9 @@ import optax
 
 from torchshell._errors import ConfigError
 from torchshell._module_parts import _Shared
-from torchshell.port._optim import map_configure_optimizers
-from torchshell.port._optim_rules import TorchOptState
-from torchshell.port._sched import parse_configure_optimizers
+from torchshell.optim import map_configure_optimizers
+from torchshell.optim._rules import TorchOptState
+from torchshell.optim._sched import parse_configure_optimizers
 
 __all__ = ["PortOptimizerPart"]
 

@@ -22,10 +22,13 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 import bridge
 import jaxcore
 from jaxcore import MICRO, TOTAL
+from jaxcore.guard import NO_CHECK, raise_failed
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._batches import host_fields_back, host_fields_out
+from torchshell._embedding import EVAL_CHECK_KEY
 from torchshell._errors import ConfigError
 from torchshell._train_log import OWN
+from torchshell.port._adapter import common_rows
 from torchshell.port._logs import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,
@@ -37,7 +40,6 @@ from torchshell.port._logs import (
     host_tensors,
     torch_ints,
 )
-from torchshell.port._repeats import RepeatedRows
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 
@@ -228,11 +230,10 @@ class UserEvaluation:
     log: Any
     _compute_dtype: Any
     init_state: Any
-    _to_jax: Any
-    _leading: Any
+    adapter: Any  # torchshell.port._adapter.LightningAdapter
+    _repeats: Any  # torchshell.port._repeats.RepeatedRows
     _write_back_host: Any
     _eval_loader: Any
-    _global_rows: Any
 
     def _eval_step_for(self, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
         key = hook_key(hook, dataloader_idx)
@@ -263,10 +264,10 @@ class UserEvaluation:
         without the rows a ``DistributedSampler`` repeated (:mod:`torchshell.port._repeats`:
         a batch of repeats only is not evaluated)."""
         if batch_idx >= 0:
-            repeats = self.__dict__.setdefault("_repeats", RepeatedRows())
+            repeats = self._repeats
             loader = self._eval_loader(dataloader_idx)
             batch = repeats.real_part(
-                loader, batch, self._global_rows(batch), batch_idx, dataloader_idx
+                loader, batch, self.adapter.global_rows(batch), batch_idx, dataloader_idx
             )
             if batch is None:
                 return None
@@ -281,11 +282,12 @@ class UserEvaluation:
         fields = host_fields_out(batch)  # ids, paths: stand-ins in the step, back in `out`
         self._write_back_host()  # (what host hooks changed in place: BatchNorm statistics)
         state = self.init_state(fields)  # (the sanity check's batch may be the first one)
-        jbatch = self.port.specialise(hook, self._to_jax(fields), False, dataloader_idx)
+        jbatch = self.port.specialise(hook, self.adapter.place(fields), False, dataloader_idx)
         out, logs = self._eval_step_for(hook, dataloader_idx)(state, jbatch)
         out = host_fields_back(out, batch)
-        n = self._leading(batch)
+        n = common_rows(batch)
         host = jax.device_get(logs)
+        raise_failed(host.pop(EVAL_CHECK_KEY, NO_CHECK), f"in a {hook} batch")
         user = self.port.module
         key = hook_key(hook, dataloader_idx)
         for i, call in enumerate(self.port.metric_calls[key]):  # torchmetrics objects

@@ -2,7 +2,7 @@
 
 The torch optimizer's param groups become groups of state_dict names (by parameter identity),
 each with its own hyperparameters; schedulers become per-step tables (see ``_sched``); the
-update math is torch's own (see ``_optim_rules``). Anything that would not train the same way
+update math is torch's own (see ``_rules``). Anything that would not train the same way
 is refused before training with a :class:`~torchshell._errors.ConfigError`.
 """
 
@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from torchshell._errors import ConfigError
-from torchshell.port._optim_rules import (
+from torchshell.optim._rules import (
     ADAGRAD,
     ADAM,
     ADAMAX,
@@ -34,7 +34,7 @@ from torchshell.port._optim_rules import (
     Rule,
     grouped,
 )
-from torchshell.port._sched import (
+from torchshell.optim._sched import (
     FIX,
     is_plateau,
     parse_configure_optimizers,
@@ -98,7 +98,7 @@ class MappedOptimizer:
         torch_names: per torch param group, the state_dict name of each of its parameters in
             torch's order (``None``: not trainable); what the optimizer state converters use.
         source: a private snapshot of the optimizer and schedulers as returned (for
-            :func:`~torchshell.port._optim_state.state_to_torch`).
+            :func:`~torchshell.optim._state.state_to_torch`).
         plateau: the indices of the ``ReduceLROnPlateau`` configs: the host steps them after
             validation and sets ``tx``'s per-group lr factor (``TorchOptState.scale``).
     """

@@ -1,7 +1,7 @@
 """A mapped optimizer's JAX state <-> torch's ``optimizer.state_dict()`` (and the schedulers').
 
 The way in: a plain Lightning checkpoint's ``optimizer_states[0]`` becomes the
-:class:`~torchshell.port._optim_rules.TorchOptState` the JAX step continues from. The exit
+:class:`~torchshell.optim._rules.TorchOptState` the JAX step continues from. The exit
 door: the JAX state becomes the ``optimizer.state_dict()`` and ``scheduler.state_dict()`` list
 that plain Lightning writes into (and resumes from) a ``.ckpt``. The slot names are torch's own
 (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``square_avg``,
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from torchshell._errors import ConfigError
-from torchshell.port._optim import MappedOptimizer, Source
-from torchshell.port._optim_rules import TorchOptState
-from torchshell.port._sched import run_schedule
+from torchshell.optim._map import MappedOptimizer, Source
+from torchshell.optim._rules import TorchOptState
+from torchshell.optim._sched import run_schedule
 
 _NO_STEP = "SGD"  # torch.optim.SGD keeps no per-parameter step count
 
@@ -59,7 +59,7 @@ def state_from_torch(
         ConfigError: the state is of a different optimizer layout (groups, sizes, shapes).
 
     >>> import jax.numpy as jnp
-    >>> from torchshell.port._optim import map_configure_optimizers
+    >>> from torchshell.optim._map import map_configure_optimizers
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     >>> w.grad = torch.ones(2); opt.step()
@@ -130,7 +130,7 @@ def state_to_torch(
         ``(optimizer_state_dict, [scheduler_state_dict, ...])``.
 
     >>> import jax.numpy as jnp
-    >>> from torchshell.port._optim import map_configure_optimizers
+    >>> from torchshell.optim._map import map_configure_optimizers
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> opt = torch.optim.Adam([w], lr=0.1)
     >>> m = map_configure_optimizers(opt, {"w": w}, steps_per_epoch=None, total_steps=2)

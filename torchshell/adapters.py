@@ -1,0 +1,258 @@
+"""How a model comes into :class:`~torchshell.module.JaxModule`: one adapter per way in.
+
+:class:`JaxModule` owns the loop contract (Lightning's hooks, the compiled step, logging,
+checkpoints); what depends on *how the model came in* is its adapter's, in the spirit of
+Lightning Fabric's small ``Strategy``/``Precision`` classes a module delegates to:
+
+- :class:`FlaxAdapter`: a Flax module (or :class:`jaxcore.ModelFns`) with a JAX loss;
+- :class:`TorchAdapter`: a team's ``nn.Module`` traced by torchax (``JaxModule.from_torch``);
+- ``LightningAdapter`` (:mod:`torchshell.port._adapter`): a whole ``LightningModule``
+  (``JaxModule.from_lightning``).
+
+The protocol (:class:`Adapter`), per batch:
+
+1. :meth:`~Adapter.prepare`: the DataLoader's batch as the step reads it (named fields for
+   the Flax path, the user's own structure for the port), with the structural checks torch
+   would make before any math (negative lengths, misfit masks), and host-only fields (ids,
+   paths) set aside;
+2. :meth:`~Adapter.one_step_view` / :meth:`~Adapter.stack`: one DLPack hand-over per leaf,
+   placed on the mesh (:class:`Placement`): padded to the global batch with a ``mask``
+   (Flax, torch) or as the user gave it (the port);
+3. :meth:`~Adapter.checked`: the context the step runs in (a changed field shape or dtype is
+   named there, after the fact, instead of a host pass before every step).
+
+and once per run: :meth:`~Adapter.sample` (the shapes the state is built from),
+:meth:`~Adapter.planned` (the first batch's fields, the plan later batches are checked
+against) and :meth:`~Adapter.state_dict` (the trained weights handed back as a torch
+``state_dict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh
+
+import bridge
+import jaxcore
+from torchshell._batches import check_fields, host_fields_out, name_batch, rows, signature
+from torchshell._errors import ConfigError
+from torchshell._flax_checks import check_batch
+from torchshell._torch_static import specialise_batch
+
+__all__ = ["Adapter", "FlaxAdapter", "Placement", "TorchAdapter"]
+
+
+class Placement:
+    """Where one step's batch goes: the mesh's data axis, its shardings, the transfer counts.
+
+    Args:
+        mesh: the device mesh.
+        data_axis: the mesh axis the batch is split over.
+        steps_per_call: K of a ``[K, B, ...]`` batch viewed as K steps.
+
+    Example:
+        >>> import jaxcore
+        >>> p = Placement(jaxcore.make_mesh({"data": -1}), "data", 1)
+        >>> n = 2 * p.ways  # (rows a full batch has on this mesh)
+        >>> p.global_rows(n - 1) == n, p.full_mask(n).shape == (n,)
+        (True, True)
+    """
+
+    def __init__(self, mesh: Mesh, data_axis: str, steps_per_call: int) -> None:
+        self.mesh = mesh
+        self.data_axis = data_axis
+        self.batch = jaxcore.batch_sharding(mesh, data_axis=data_axis)
+        self.stacked = jaxcore.batch_sharding(
+            mesh, data_axis=data_axis, steps_per_call=steps_per_call
+        )
+        self.window = jaxcore.batch_sharding(mesh, data_axis=data_axis, steps_per_call=2)
+        self.stats = bridge.new_stats()
+        self._masks: dict[Any, jax.Array] = {}
+
+    @property
+    def ways(self) -> int:
+        """Devices along the data axis."""
+        return int(self.mesh.shape[self.data_axis])
+
+    def global_rows(self, n: int) -> int:
+        """``n`` rounded up to the data axis: the rows of the padded batch."""
+        return -(-n // self.ways) * self.ways
+
+    def full_mask(self, n: int) -> jax.Array:
+        """An all-true ``mask`` of ``n`` rows, made on device once (not handed over per step)."""
+        mask = self._masks.get(n)
+        if mask is None:
+            mask = self._masks[n] = jax.device_put(np.ones(n, bool), self.batch)
+        return mask
+
+    def window_mask(self, k: int, n: int) -> jax.Array:
+        """An all-true ``[k, n]`` mask for K full batches in one call."""
+        mask = self._masks.get((k, n))
+        if mask is None:
+            mask = self._masks[k, n] = jax.device_put(np.ones((k, n), bool), self.window)
+        return mask
+
+
+class Adapter:
+    """The protocol: what differs between the ways a model comes in (module docstring).
+
+    This base class hands batches over as the Flax and torch paths do (named fields, padded
+    with a ``mask``); the adapters override what differs.
+
+    Args:
+        model_fns: the model's ``init``/``apply``.
+        placement: where batches go.
+        batch_keys: names of the positions of a list/tuple batch.
+    """
+
+    torch_module: torch.nn.Module | None = None
+
+    def __init__(
+        self, model_fns: jaxcore.ModelFns, placement: Placement, batch_keys: Sequence[str]
+    ) -> None:
+        self.model_fns = model_fns
+        self.placement = placement
+        self.batch_keys = tuple(batch_keys)
+        self.fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # the plan's
+
+    # -- per batch ------------------------------------------------------------------------
+    def prepare(self, batch: Any) -> Any:
+        """The batch as the model reads it: named fields, host-only fields set aside."""
+        named = name_batch(batch, self.batch_keys)
+        check_batch(self, named)  # nn.Embed ids, negative lengths, masks: refused like torch
+        return host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
+
+    def global_rows(self, batch: Any) -> int:
+        """Rows one step sees: the batch's, rounded up to the data axis."""
+        return self.placement.global_rows(rows(batch))
+
+    def to_jax(self, batch: Any, train: bool = True) -> Any:
+        """One step's batch on the mesh: padded to the global rows with a ``mask`` when
+        ragged, plus the values a traced torch forward reads in Python (compiled once per
+        distinct value, counted)."""
+        p = self.placement
+        n = self.global_rows(batch)
+        if "mask" in batch or rows(batch) != n:  # ragged: padded, with a mask of real rows
+            out = bridge.to_jax(batch, p.batch, pad_to=n, stats=p.stats)
+        else:  # full: its all-true mask is made on device once, not handed over each step
+            out = bridge.to_jax(batch, p.batch, stats=p.stats)
+            out["mask"] = p.full_mask(n * jax.process_count())
+        return specialise_batch(self.model_fns, out, train)
+
+    def one_step_view(self, batch: Any, k: int) -> tuple[Any, Any, int]:
+        """``(jax batch, one step's torch batch, rows per step)``; with ``k > 1`` a batch of
+        ``k * B`` rows is viewed as ``[k, B, ...]``, k steps in one call."""
+        if k == 1:
+            return self.to_jax(batch), batch, self.global_rows(batch)
+        n, ways = rows(batch), self.placement.ways
+        if n % k or (n // k) % ways:
+            raise ConfigError(
+                f"steps_per_call={k} needs training batches of K*B rows with B divisible by "
+                f"the data axis ({ways}), got {n} rows. Fix: set the DataLoader batch size "
+                f"to {k} x (a multiple of {ways}) and drop_last=True for training."
+            )
+        views = {name: t.view(k, n // k, *t.shape[1:]) for name, t in batch.items()}
+        p = self.placement
+        jbatch = bridge.to_jax(views, p.stacked, stats=p.stats)
+        return jbatch, {name: t[: n // k] for name, t in batch.items()}, n // k
+
+    def stack(self, batches: list[Any], accumulate: int) -> Any:
+        """The ``accumulate`` batches of one window as ``[m, B, ...]`` (padded to the first
+        one's rows)."""
+        n = self.global_rows(batches[0])
+        padded = [bridge.pad_batch(b, n) for b in batches]
+        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
+        return bridge.to_jax(stacked, self.placement.window, stats=self.placement.stats)
+
+    def checked(self, batch: Any) -> contextlib.AbstractContextManager[None]:
+        """The context one step runs in: a field whose shape or dtype changed is named."""
+        return check_fields(self.fields, batch)
+
+    # -- once per run -----------------------------------------------------------------------
+    def sample(self, batch: Any) -> Any:
+        """A JAX batch with one step's shapes, to build the state from."""
+        return self.to_jax(batch)
+
+    def planned(self, batch: Any) -> None:
+        """Records the first batch's fields (their shapes and dtypes) for :meth:`checked`."""
+        if isinstance(batch, dict):
+            self.fields = signature(batch)
+
+    def reads_values(self, jbatch: Any) -> bool:
+        """Whether the traced forward reads batch values in Python (one compile per value)."""
+        return specialise_batch(self.model_fns, jbatch, True) is not jbatch
+
+    def state_dict(
+        self, state: Any, twin: torch.nn.Module | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The trained weights as a torch ``state_dict`` (strictly checked against ``twin``)."""
+        raise NotImplementedError(f"{type(self).__name__} hands no weights back")
+
+
+class FlaxAdapter(Adapter):
+    """A Flax linen module, an NNX module, or :class:`jaxcore.ModelFns`, with a JAX loss.
+
+    Args:
+        model_fns: the model's ``init``/``apply``.
+        placement: where batches go.
+        batch_keys: names of the positions of a list/tuple batch.
+        nnx_model: the model is an NNX module (its ``BatchStat`` variables are exported as
+            ``batch_stats``).
+    """
+
+    def __init__(
+        self,
+        model_fns: jaxcore.ModelFns,
+        placement: Placement,
+        batch_keys: Sequence[str],
+        *,
+        nnx_model: bool = False,
+    ) -> None:
+        super().__init__(model_fns, placement, batch_keys)
+        self.nnx_model = nnx_model
+
+    def state_dict(
+        self, state: Any, twin: torch.nn.Module | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The params and model state (``batch_stats``) through :func:`bridge.export_state_dict`."""
+        extra = state.model_state
+        if self.nnx_model:  # an NNX module's other variables: BatchStat
+            extra = {"batch_stats": extra} if extra else {}
+        return bridge.export_state_dict({"params": state.params, **extra}, twin)
+
+
+class TorchAdapter(Adapter):
+    """A team's ``nn.Module`` traced by torchax: its params already carry ``state_dict`` names.
+
+    Args:
+        model_fns: from :func:`torchshell.torch_model.torch_model_fns`.
+        placement: where batches go.
+        batch_keys: names of the positions of a list/tuple batch.
+        torch_module: the user's module (not changed by training; :meth:`state_dict` is
+            what it loads).
+    """
+
+    def __init__(
+        self,
+        model_fns: jaxcore.ModelFns,
+        placement: Placement,
+        batch_keys: Sequence[str],
+        torch_module: torch.nn.Module,
+    ) -> None:
+        super().__init__(model_fns, placement, batch_keys)
+        self.torch_module = torch_module
+
+    def state_dict(
+        self, state: Any, twin: torch.nn.Module | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The params and buffers under the module's own names."""
+        from torchshell.torch_model import params_to_state_dict
+
+        assert self.torch_module is not None
+        return params_to_state_dict(state.params, state.model_state, self.torch_module)
