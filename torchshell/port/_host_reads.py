@@ -19,6 +19,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning as L
@@ -38,7 +39,7 @@ _OURS = tuple(str(Path(__file__).parents[2] / p) for p in ("torchshell", "jaxcor
 
 def _user_frame() -> bool:
     """Whether the property was read by the user's code (not Lightning's, not coreshell's)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PASSING):
         frame = frame.f_back
     return frame is not None and not frame.f_code.co_filename.startswith(_OURS)
