@@ -130,7 +130,7 @@ def _transfer(batch: dict[str, Any], module: Any, rows: int) -> tuple[Check, Any
 
     stats = bridge.new_stats()
     try:
-        out = bridge.to_jax(batch, module.batch_sharding, pad_to=rows, stats=stats)
+        out = bridge.to_jax(batch, module.placement.batch, pad_to=rows, stats=stats)
     except bridge.TransferError as err:
         return Check("zero-copy", FAIL, str(err)), None
     detail = (
