@@ -193,7 +193,7 @@ def test_conv_plan_by_shape_and_backend() -> None:
     assert conv_plan((2, 250, 11), (250, 250, 7), 1, backend="cpu") == PATCHES  # short output
     assert conv_plan((2, 250, 300), (250, 250, 7), 1, backend="cpu") == XLA
     assert conv_plan((2, 96, 16, 16), (96, 1, 5, 5), 96, backend="cpu") == PATCHES
-    assert conv_plan((2, 3, 64, 64), (64, 3, 7, 7), 1, backend="cpu") == PATCHES
+    assert conv_plan((2, 3, 64, 64), (64, 3, 7, 7), 1, backend="cpu") == XLA  # an RGB stem
     assert conv_plan((2, 64, 16, 16), (128, 64, 1, 1), 1, backend="cpu") == PATCHES  # a matmul
     assert conv_plan((2, 64, 16, 16), (64, 64, 3, 3), 1, backend="cpu") == XLA
     assert conv_plan((2, 64, 32, 32), (64, 64, 3, 3), 1, stride=2, backend="cpu") == XLA

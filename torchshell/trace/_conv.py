@@ -9,7 +9,6 @@ On a GPU that is cuDNN's kernel and right. On XLA:CPU three kinds of convolution
   ~1.5 s against ~5 ms; a depthwise 5x5, stride 2: ~176 ms against ~32-50 ms);
 - **large 1-D kernels** (torchaudio's Wav2Letter, kernel 32 over 250 -> 2,000 channels:
   ~4.6 s against ~0.25 s);
-- **few input channels** (a 3-channel stem, 7x7 stride 2);
 - **small outputs with many channels**, dense ones too (ResNet's last stage, 512 channels
   over 2x2: ~580 ms against ~5 ms), and 1x1 convolutions (2,000 -> 2,000 channels over 12
   steps: ~306 ms against ~94 ms).
@@ -45,8 +44,6 @@ __all__ = ["conv_lowerings", "conv_nd", "conv_plan", "convolution"]
 PATCHES, XLA = "patches", "xla"
 # a 1-D kernel at least this long goes through patches at any output length (Wav2Letter's 32)
 LONG_KERNEL_1D = 11
-# at most this many input channels per group: patches (a 3-channel RGB stem)
-FEW_CHANNELS = 4
 # a dense convolution with at least this many output positions (16x16) stays XLA's
 LARGE_OUTPUT = 256
 
@@ -61,9 +58,11 @@ def conv_plan(
     """How a convolution of these (static) shapes is lowered: ``"patches"`` or ``"xla"``.
 
     On CPU everything is patches but a dense (``groups=1``) convolution with a kernel wider
-    than 1, more than :data:`FEW_CHANNELS` input channels, a 1-D kernel shorter than
-    :data:`LONG_KERNEL_1D`, and at least :data:`LARGE_OUTPUT` output positions: there XLA's
-    own convolution is as fast or faster (measured, ``benchmarks/conv_cpu.py``).
+    than 1 (a 1-D one shorter than :data:`LONG_KERNEL_1D`) and at least
+    :data:`LARGE_OUTPUT` output positions, or with at most 4 input channels (an RGB stem):
+    there XLA's own convolution is as fast or faster (measured,
+    ``benchmarks/conv_cpu.py``), and a stem through patches fed ResNet's max-pool values
+    that moved its SGD steps off torch's (5e-3 after one step; not yet understood).
 
     Args:
         input_shape: ``[N, C, *spatial]``.
@@ -91,9 +90,8 @@ def conv_plan(
     dense_xla = (
         groups == 1
         and math.prod(kernel) > 1
-        and weight_shape[1] > FEW_CHANNELS
         and not (len(kernel) == 1 and kernel[0] >= LONG_KERNEL_1D)
-        and positions >= LARGE_OUTPUT
+        and (positions >= LARGE_OUTPUT or weight_shape[1] <= 4)
     )
     return XLA if dense_xla else PATCHES
 
