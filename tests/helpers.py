@@ -60,9 +60,15 @@ def run_all(
             )
             for cmd in cmds[start : start + parallel]
         ]
-        for cmd, proc in batch:
-            out, err = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+        try:
+            for cmd, proc in batch:
+                out, err = proc.communicate(timeout=timeout)
+                done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+        finally:  # (a timeout, an interrupt: the test stops what it started)
+            for _, proc in batch:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
     return done
 
 
