@@ -51,7 +51,8 @@ def install() -> None:
     from lightning.pytorch.loops import evaluation_loop
 
     import torchshell.export
-    from torchshell import _checkpoint_files, checkpoint, module
+    from torchshell import checkpoint, module
+    from torchshell.checkpoint import _files
 
     step_fn = module.JaxModule.training_step
 
@@ -63,8 +64,8 @@ def install() -> None:
 
     module.JaxModule.training_step = training_step  # type: ignore[method-assign]
     _around(checkpoint.OrbaxCheckpointIO, "save_checkpoint", "save-start", "save-returned")
-    _around(_checkpoint_files, "commit", "commit-start", "commit-end")
-    _around(_checkpoint_files, "discard", "delete-start", "delete-end")
+    _around(_files, "commit", "commit-start", "commit-end")
+    _around(_files, "discard", "delete-start", "delete-end")
     _around(evaluation_loop._EvaluationLoop, "run", "val-start", "val-end")
     _around(
         torchshell.export,

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from torchshell import _checkpoint_files as files
 from torchshell._errors import CheckpointError
 from torchshell.checkpoint import (
     CheckpointOnSigterm,
@@ -22,6 +21,7 @@ from torchshell.checkpoint import (
     restore_state,
     verify,
 )
+from torchshell.checkpoint import _files as files
 
 # Big enough that the background write outlasts the steps run meanwhile (32 MiB).
 N = 8_000_000

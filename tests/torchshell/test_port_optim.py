@@ -21,8 +21,8 @@ from torch.optim import lr_scheduler as S
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.torchshell import port_helpers as H
-from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
+from torchshell.module._clip import torch_clip
 from torchshell.optim import map_configure_optimizers, state_from_torch, state_to_torch
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {

@@ -20,7 +20,7 @@ import jaxcore
 from jaxcore.models.digits import MLP
 from tests.helpers import quiet_trainer
 from torchshell import JaxModule
-from torchshell._windows import choose_k
+from torchshell.module._windows import choose_k
 
 
 def _loader() -> DataLoader[Any]:
@@ -124,7 +124,7 @@ def test_state_read_by_a_callback_has_caught_up(mp: pytest.MonkeyPatch) -> None:
 def test_a_checkpoint_mid_window_holds_every_step_taken(
     mp: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from torchshell import _state_io
+    from torchshell.checkpoint import _state_io
 
     reference, _ = _fit(1, 7, mp)
     first, _ = _fit(4, 7, mp)  # one window of 4, then 3 batches buffered when max_steps hits

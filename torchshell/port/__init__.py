@@ -9,7 +9,7 @@ math (:func:`map_configure_optimizers`), and clips gradients like Lightning
 
 from typing import Any
 
-from torchshell._clip import torch_clip
+from torchshell.module._clip import torch_clip
 from torchshell.optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._logs import LogSpec
 from torchshell.port._trace import LightningPort

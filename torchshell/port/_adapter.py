@@ -1,6 +1,6 @@
 """The ``LightningModule`` adapter: batches in the user's own structure, nothing padded.
 
-What differs from the Flax and torch paths' hand-over (:class:`torchshell.adapters.Adapter`):
+What differs from the Flax and torch paths' hand-over (:class:`torchshell.module.adapters.Adapter`):
 
 - batches reach ``training_step`` with the structure the DataLoader gave (tuples, dicts,
   nested); nothing is padded (a ragged batch compiles once more, counted): the user's loss
@@ -23,10 +23,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import bridge
 import jaxcore
-from torchshell._batches import MicroBatches, containers_as_nodes, host_fields_out
 from torchshell._errors import ConfigError
-from torchshell._flax_checks import check_lengths_and_masks
-from torchshell.adapters import Placement, TorchAdapter
+from torchshell.module._batches import MicroBatches, containers_as_nodes, host_fields_out
+from torchshell.module._flax_checks import check_lengths_and_masks
+from torchshell.module.adapters import Placement, TorchAdapter
 from torchshell.port._trace import LightningPort
 
 __all__ = ["LightningAdapter", "common_rows"]

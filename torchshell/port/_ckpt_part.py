@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import torch
 
 import bridge
-from torchshell import _state_io
 from torchshell._errors import ConfigError
-from torchshell._module_parts import _Shared
+from torchshell.checkpoint import _state_io
+from torchshell.module._parts import _Shared
 from torchshell.optim import state_from_torch, state_to_torch
 from torchshell.port._weights import changed_tensors, tensor_versions
 

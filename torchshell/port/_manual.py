@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import torch
 
 import jaxcore
-from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
+from torchshell.module._clip import torch_clip
 from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._host_reads import watching_trainer
 from torchshell.port._manual_optim import ManualOptState, ManualPlan

@@ -25,11 +25,11 @@ import optax
 import torch
 
 import jaxcore
-from torchshell._batches import (
+from torchshell._errors import ConfigError
+from torchshell.module._batches import (
     host_fields_back,
 )
-from torchshell._errors import ConfigError
-from torchshell._module_parts import _Shared
+from torchshell.module._parts import _Shared
 from torchshell.optim import MappedOptimizer
 from torchshell.port._adapter import LightningAdapter
 from torchshell.port._ckpt_part import PortCheckpointPart

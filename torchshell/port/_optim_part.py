@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from torchshell._errors import ConfigError
-from torchshell._module_parts import _Shared
+from torchshell.module._parts import _Shared
 from torchshell.optim import map_configure_optimizers
 from torchshell.optim._rules import TorchOptState
 from torchshell.optim._sched import parse_configure_optimizers
@@ -135,7 +135,7 @@ class PortOptimizerPart(_Shared):
             base = self.tx
         if self.flags.clip_val is None:
             return base
-        from torchshell._clip import torch_clip
+        from torchshell.module._clip import torch_clip
 
         only = None if self.mapped is None else self.mapped.param_names
         return optax.chain(

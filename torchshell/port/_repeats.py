@@ -2,7 +2,7 @@
 
 Such a sampler evens out the processes' shards by repeating rows at the end of a shard
 (:func:`torchshell.data.real_rows`). ``JaxModule``'s own evaluation masks them
-(:mod:`torchshell._evaluation`); a ported ``validation_step``/``test_step`` computes its own
+(:mod:`torchshell.module._evaluation`); a ported ``validation_step``/``test_step`` computes its own
 means over the rows it is given, so here the repeated rows are cut off the batch before the
 hook sees it (a batch of repeats only is not evaluated): the epoch's values are those of the
 dataset's own rows, each once. That needs one process: with several, each process's last

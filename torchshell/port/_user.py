@@ -24,10 +24,10 @@ import jaxcore
 from jaxcore import MICRO, TOTAL
 from jaxcore.guard import NO_CHECK, raise_failed
 from jaxcore.precision import cast_floating, resolve_dtype
-from torchshell._batches import host_fields_back, host_fields_out
 from torchshell._embedding import EVAL_CHECK_KEY
 from torchshell._errors import ConfigError
-from torchshell._train_log import OWN
+from torchshell.module._batches import host_fields_back, host_fields_out
+from torchshell.module._train_log import OWN
 from torchshell.port._adapter import common_rows
 from torchshell.port._logs import (
     APPENDED_KEY,

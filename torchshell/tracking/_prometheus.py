@@ -21,9 +21,9 @@ import jax
 from lightning.pytorch import Callback
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from torchshell import _checkpoint_files as files
 from torchshell._errors import TrackingError
-from torchshell._train_log import OWN
+from torchshell.checkpoint import _files as files
+from torchshell.module._train_log import OWN
 
 # gauge name -> (help text, the keys in trainer.callback_metrics it follows, first found wins:
 # the Flax/torch path's model loss is train/loss, the Lightning port's coreshell/train/loss)

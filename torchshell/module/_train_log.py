@@ -7,7 +7,7 @@ So fetching never waits for the device. The last ones are logged at the end of t
 Each logging step's values are logged at the step and epoch they were computed in (Lightning's
 logger step for them, see :meth:`TrainLogPart._log_step`), however late they are fetched.
 coreshell's own figures (throughput here, compile and transfer statistics in
-:class:`~torchshell._train_parts.TrainLogPart`) are named under :data:`OWN` (``coreshell/``),
+:class:`~torchshell.module._train_parts.TrainLogPart`) are named under :data:`OWN` (``coreshell/``),
 so they never shadow a name the user logs.
 """
 

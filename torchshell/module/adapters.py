@@ -40,10 +40,10 @@ from jax.sharding import Mesh
 
 import bridge
 import jaxcore
-from torchshell._batches import check_fields, host_fields_out, name_batch, rows, signature
 from torchshell._errors import ConfigError
-from torchshell._flax_checks import check_batch
 from torchshell._torch_static import specialise_batch
+from torchshell.module._batches import check_fields, host_fields_out, name_batch, rows, signature
+from torchshell.module._flax_checks import check_batch
 
 __all__ = ["Adapter", "FlaxAdapter", "Placement", "TorchAdapter"]
 

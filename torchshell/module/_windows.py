@@ -39,8 +39,8 @@ import torch
 
 import bridge
 import jaxcore
-from torchshell._batches import rows
 from torchshell._errors import ConfigError
+from torchshell.module._batches import rows
 
 __all__ = ["WindowPart", "choose_k"]
 

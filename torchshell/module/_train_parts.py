@@ -1,5 +1,5 @@
 """Two parts of :class:`~torchshell.module.JaxModule`'s training (see
-:mod:`torchshell._module_parts` for the others):
+:mod:`torchshell.module._parts` for the others):
 
 - :class:`StepPart`: the compiled train step it builds (K steps per call, accumulation
   windows, the NaN guard), compiled beside the state's init on the first batch;
@@ -20,9 +20,9 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import jaxcore
-from torchshell._batches import MicroBatches
-from torchshell._module_parts import _Shared
-from torchshell._train_log import OWN, find_lrs, fresh
+from torchshell.module._batches import MicroBatches
+from torchshell.module._parts import _Shared
+from torchshell.module._train_log import OWN, find_lrs, fresh
 
 __all__ = ["StepPart", "TrainLogPart"]
 

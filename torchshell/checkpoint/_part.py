@@ -1,6 +1,6 @@
 """The part of :class:`~torchshell.module.JaxModule` that hands the JAX state to checkpoints
 and back, and the trained weights to the user's torch module (see
-:mod:`torchshell._module_parts` for the other parts)."""
+:mod:`torchshell.module._parts` for the other parts)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 import jaxcore
-from torchshell import _state_io
 from torchshell._errors import ConfigError
-from torchshell._module_parts import _Shared
-from torchshell.checkpoint import restore_state
+from torchshell.checkpoint import _state_io
+from torchshell.checkpoint._orbax import restore_state
+from torchshell.module._parts import _Shared
 
 __all__ = ["CheckpointPart"]
 
@@ -81,7 +81,7 @@ class CheckpointPart(_Shared):
             self._restore_dir = directory
 
     def _orbax_io(self) -> bool:
-        from torchshell.checkpoint import OrbaxCheckpointIO
+        from torchshell.checkpoint._orbax import OrbaxCheckpointIO
 
         io = getattr(self.trainer.strategy, "checkpoint_io", None)
         return isinstance(io, OrbaxCheckpointIO)

@@ -1,13 +1,13 @@
 """The parts of :class:`~torchshell.module.JaxModule` that are not yet the adapter's.
 
 - :class:`TrainerFlagsPart`: the Lightning Trainer's flags, read when the module is attached
-  (see :mod:`torchshell._flags`), and the optimizer they shape;
-- :class:`~torchshell._evaluation.EvaluationPart` (its own module): exact masked
+  (see :mod:`torchshell.module._flags`), and the optimizer they shape;
+- :class:`~torchshell.module._evaluation.EvaluationPart` (its own module): exact masked
   validation/test means, and prediction;
-- :class:`~torchshell._checkpoint_part.CheckpointPart` (its own module): what a checkpoint
+- :class:`~torchshell.checkpoint._part.CheckpointPart` (its own module): what a checkpoint
   holds of the JAX state, and restoring it.
 
-How batches are handed to JAX is the module's adapter's (:mod:`torchshell.adapters`). The
+How batches are handed to JAX is the module's adapter's (:mod:`torchshell.module.adapters`). The
 parts share the attributes :class:`~torchshell.module.JaxModule` sets in ``__init__``.
 """
 
@@ -26,9 +26,9 @@ import torch
 
 import bridge
 import jaxcore
-from torchshell._clip import torch_clip
 from torchshell._errors import ConfigError
-from torchshell._flags import TrainerFlags, adopt_flags, restore_flags
+from torchshell.module._clip import torch_clip
+from torchshell.module._flags import TrainerFlags, adopt_flags, restore_flags
 
 Batch = Any
 
@@ -56,8 +56,8 @@ class _Shared(L.LightningModule):
     hlo_dump_dir: Any
     print_summary: bool
     shard_fn: Any
-    placement: Any  # torchshell.adapters.Placement
-    adapter: Any  # torchshell.adapters.Adapter
+    placement: Any  # torchshell.module.adapters.Placement
+    adapter: Any  # torchshell.module.adapters.Adapter
     state: Any
     flags: TrainerFlags
     _flag_originals: dict[str, Any] | None

@@ -18,24 +18,23 @@ from jax.sharding import Mesh
 
 import jaxcore
 from jaxcore import ModelFns, TrainState
-from torchshell import _state_io
-from torchshell._batches import float_fields, positional_keys
-from torchshell._checkpoint_part import CheckpointPart
 from torchshell._errors import ConfigError
-from torchshell._evaluation import EvaluationPart
-from torchshell._flags import TrainerFlags
-from torchshell._module_parts import TrainerFlagsPart
 from torchshell._torch_loss import (
     is_torch_loss,
     torch_function_loss,
     torch_loss_fn,
     written_in_torch,
 )
-from torchshell._train_log import TrainLog
-from torchshell._train_parts import StepPart, TrainLogPart
-from torchshell._windows import WindowPart, resolve_steps_per_call
-from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
-from torchshell.checkpoint import restore_state
+from torchshell.checkpoint import _state_io, restore_state
+from torchshell.checkpoint._part import CheckpointPart
+from torchshell.module._batches import float_fields, positional_keys
+from torchshell.module._evaluation import EvaluationPart
+from torchshell.module._flags import TrainerFlags
+from torchshell.module._parts import TrainerFlagsPart
+from torchshell.module._train_log import TrainLog
+from torchshell.module._train_parts import StepPart, TrainLogPart
+from torchshell.module._windows import WindowPart, resolve_steps_per_call
+from torchshell.module.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 from torchshell.optim import map_configure_optimizers
 from torchshell.port._module import LightningParts
 from torchshell.summary import param_summary
@@ -58,7 +57,7 @@ class JaxModule(
     crosses to JAX through :func:`bridge.to_jax` (zero-copy where the layout allows, ragged
     batches padded with a ``mask``) and the step runs jitted and sharded on ``mesh``. There is
     no torch optimizer: ``global_step`` counts JAX optimizer steps. By default a short step's
-    batches are buffered and run K per jitted call (:mod:`torchshell._windows`: the K=1
+    batches are buffered and run K per jitted call (:mod:`torchshell.module._windows`: the K=1
     meaning of ``global_step``, logging and checkpoints kept). With ``steps_per_call=K`` a
     DataLoader batch of ``K * B`` rows is viewed as K batches in one call. Metrics stay on
     device and are fetched every ``log_every_n_steps`` steps (loggers, bar, callbacks).
@@ -66,7 +65,7 @@ class JaxModule(
     Batches come as the DataLoader yields them: a dict of tensors, or a list/tuple (a
     ``TensorDataset``) whose positions ``batch_keys`` names (``x``, ``y`` by default).
     The Trainer's ``precision``, ``accumulate_grad_batches`` and ``gradient_clip_val`` are
-    carried out in the JAX step (see :mod:`torchshell._flags`).
+    carried out in the JAX step (see :mod:`torchshell.module._flags`).
 
     Args:
         model: a Flax linen module, a Flax NNX module, or :class:`jaxcore.ModelFns`.
@@ -305,7 +304,7 @@ class JaxModule(
 
     # -- training ------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
-        """Runs the compiled step (or buffers the batch, see :mod:`torchshell._windows`).
+        """Runs the compiled step (or buffers the batch, see :mod:`torchshell.module._windows`).
 
         Returns ``{"loss": loss}`` (waiting for the step) only when a user callback reads
         ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the

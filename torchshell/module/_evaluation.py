@@ -18,9 +18,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 import bridge
 import jaxcore
 from jaxcore.guard import first_failed, raise_failed
-from torchshell._batches import rows
-from torchshell._module_parts import _Shared
 from torchshell.data._sampler import real_rows, shard_sampler
+from torchshell.module._batches import rows
+from torchshell.module._parts import _Shared
 
 __all__ = ["EvaluationPart"]
 
