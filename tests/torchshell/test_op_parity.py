@@ -194,3 +194,132 @@ def test_torch_ops_traced_equal_eager() -> None:
         if g.shape != w_.shape or not np.allclose(g, w_, rtol=1e-4, atol=1e-4, equal_nan=True):
             wrong.append(name)
     assert not wrong, f"traced != eager for {wrong}"
+
+
+# Inputs on the kinks: 0, +-1, +-3, 6 and the bounds used below (-0.5, 0.7) exactly.
+_KINK_X = [-7.0, -3.0, -1.0, -0.5, 0.0, 0.5, 0.7, 1.0, 3.0, 6.0, 7.0, 0.0]
+
+KINK_OPS: dict[str, Any] = {
+    # torch's hardtanh_backward: strictly inside (min, max); relu6 is hardtanh(0, 6)
+    "relu6": lambda x, lo, hi: F.relu6(x),
+    "hardtanh": lambda x, lo, hi: F.hardtanh(x),
+    "hardtanh_bounds": lambda x, lo, hi: F.hardtanh(x, -0.5, 0.7),
+    # clamp_backward: the closed interval; the bounds' gradient where they are the result
+    "clamp": lambda x, lo, hi: torch.clamp(x, -1.0, 6.0),
+    "clamp_min": lambda x, lo, hi: torch.clamp(x, min=0.0),
+    "clamp_max": lambda x, lo, hi: torch.clamp(x, max=6.0),
+    "clamp_tensors": lambda x, lo, hi: torch.clamp(x, lo, hi),
+    "clamp_min_tensor": lambda x, lo, hi: torch.clamp_min(x, lo),
+    "clamp_max_tensor": lambda x, lo, hi: torch.clamp_max(x, hi),
+    "clamp_crossed": lambda x, lo, hi: torch.clamp(x, hi, lo),  # min > max: the result is max
+    "hardsigmoid": lambda x, lo, hi: F.hardsigmoid(x),
+    "hardswish": lambda x, lo, hi: F.hardswish(x),
+    "leaky_relu": lambda x, lo, hi: F.leaky_relu(x, 0.1),
+    "abs": lambda x, lo, hi: x.abs(),
+    "l1_loss": lambda x, lo, hi: F.l1_loss(x, lo, reduction="none"),
+    "logsigmoid": lambda x, lo, hi: F.logsigmoid(x),
+    "margin_ranking": lambda x, lo, hi: F.margin_ranking_loss(
+        x, lo, torch.ones_like(x), margin=1.0, reduction="none"
+    ),
+    "sqrt_of_clamp": lambda x, lo, hi: torch.sqrt(x.clamp(min=0.0)),
+    "relu": lambda x, lo, hi: F.relu(x),
+    "threshold": lambda x, lo, hi: F.threshold(x, 0.5, -2.0),
+}
+
+
+class _KinkOp(nn.Module):
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        return self.op(x, lo, hi)
+
+
+def test_gradients_at_kinks_equal_torch() -> None:
+    """Each op's gradient (inputs and tensor bounds) with inputs exactly on its kinks, traced
+    against torch autograd: torchax's ``jnp.clip`` gave 1/2 on a bound where torch gives 0
+    (hardtanh, relu6: MobileNetV2's eval-mode BatchNorm feeds its ReLU6s exact zeros) or 1
+    (clamp), JAX's ``abs`` 1 at 0 where torch's ``sgn`` gives 0."""
+    x = torch.tensor([_KINK_X])
+    lo = torch.zeros_like(x)  # on x's zeros
+    hi = torch.full_like(x, 6.0)  # on x's 6
+    hi[0, 2] = -1.0  # one bound crossed (max < min), on x's -1
+    cot = torch.linspace(0.5, 1.5, x.numel()).reshape(x.shape)
+    batch = {k: jnp.asarray(v.numpy()) for k, v in {"x": x, "lo": lo, "hi": hi}.items()}
+    wrong = []
+    for name, op in KINK_OPS.items():
+        leaves = [t.clone().requires_grad_(True) for t in (x, lo, hi)]
+        out = op(*leaves)
+        want = torch.autograd.grad((out * cot).sum(), leaves, allow_unused=True)
+        fns = torch_model_fns(_KinkOp(op), ("x", "lo", "hi"))
+
+        def run(b: dict[str, jax.Array], fns: Any = fns) -> jax.Array:
+            return fns.apply({}, {}, b, jax.random.key(0), True)[0]
+
+        got, vjp = jax.vjp(run, batch)
+        (grads,) = vjp(jnp.asarray(cot.numpy()))
+        if not np.allclose(np.asarray(got), out.detach().numpy(), rtol=1e-6, atol=1e-6):
+            wrong.append(f"{name} (forward)")
+        for key, w in zip(("x", "lo", "hi"), want, strict=True):
+            w_ = np.zeros(x.shape) if w is None else w.numpy()
+            if not np.allclose(np.asarray(grads[key]), w_, rtol=1e-6, atol=1e-7):
+                wrong.append(f"{name} (d/d{key}: {np.asarray(grads[key])} != {w_})")
+    assert not wrong, "traced gradient != torch's at the kinks:\n" + "\n".join(wrong)
+
+
+# In-place ops on a slice of a tensor (torchvision's Swin V2: ``bias[C:2*C].zero_()``).
+SLICE_OPS: dict[str, Any] = {
+    "zero_": lambda v: v.zero_(),
+    "fill_": lambda v: v.fill_(0.5),
+    "fill_tensor": lambda v: v.fill_(torch.tensor(0.5)),
+    "masked_fill_": lambda v: v.masked_fill_(v > 3.5, 0.0),
+    "index_fill_": lambda v: v.index_fill_(0, torch.tensor([0]), 0.0),
+    "addcmul_": lambda v: v.addcmul_(torch.ones(2), torch.full((2,), 3.0), value=0.5),
+    "addcdiv_": lambda v: v.addcdiv_(torch.ones(2), torch.full((2,), 3.0), value=0.5),
+    "lerp_": lambda v: v.lerp_(torch.zeros(2), 0.5),
+    "hardtanh_": lambda v: F.hardtanh_(v, 0.0, 3.5),
+    "hardsigmoid_": lambda v: F.hardsigmoid(v, inplace=True),
+    "silu_": lambda v: F.silu(v, inplace=True),
+    "mul_": lambda v: v.mul_(2.0),  # (written through before too: torchax's own)
+    "copy_": lambda v: v.copy_(torch.zeros(2)),
+    "nested_slice": lambda v: v[1:].zero_(),
+}
+
+
+class _SliceWrite(nn.Module):
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.arange(1.0, 7.0))
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.b.clone()
+        self.op(b[2:4])
+        return x * b
+
+
+def test_in_place_ops_on_a_slice_write_through() -> None:
+    """An in-place op on ``t[2:4]`` changes ``t`` (forward) and cuts or scales the gradient
+    to the overwritten entries, as in torch. torchax ran ``zero_``, ``fill_``,
+    ``masked_fill_``... by torch's decomposition on a copy of the slice and dropped the write."""
+    x = torch.linspace(0.5, 1.5, 6)
+    wrong = []
+    for name, op in SLICE_OPS.items():
+        net = _SliceWrite(op)
+        want = net(x)
+        want.sum().backward()
+        fns = torch_model_fns(net, ("x",))
+        batch = {"x": jnp.asarray(x.numpy())}
+        params, state = fns.init(jax.random.key(0), batch)
+
+        def loss(p: dict, fns: Any = fns, state: Any = state, batch: Any = batch) -> jax.Array:
+            out = fns.apply(p, state, batch, jax.random.key(0), True)[0]
+            return out.sum(), out
+
+        (_, got), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        if not np.allclose(np.asarray(got), want.detach().numpy(), rtol=1e-6):
+            wrong.append(f"{name}: forward {np.asarray(got)} != {want.detach().numpy()}")
+        if not np.allclose(np.asarray(grads["b"]), net.b.grad.numpy(), rtol=1e-6):
+            wrong.append(f"{name}: gradient {np.asarray(grads['b'])} != {net.b.grad.numpy()}")
+    assert not wrong, "\n".join(wrong)

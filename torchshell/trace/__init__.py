@@ -15,10 +15,12 @@ torchax alone stops there. The environment here traces four such patterns instea
 - **a scalar read from the batch** (``int(lengths.max().item())``) is *specialised*
   (:class:`Reads`, :mod:`torchshell._torch_static`).
 
-Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, :mod:`._rnnt` for
+Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, :mod:`._kinks` for
+torch's gradient of ``clamp``/``hardtanh``/``relu6``/``abs``... on a bound, :mod:`._rnnt` for
 torchaudio's RNN-T loss, :mod:`torchshell._ctc` for the CTC loss, and :mod:`._attention`:
 ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` as one fused
-``jax.nn.dot_product_attention`` call).
+``jax.nn.dot_product_attention`` call), and an in-place op on a slice writes through to the
+sliced tensor (:mod:`._inplace`: ``bias[C:2*C].zero_()``).
 """
 
 from torchshell.trace._env import check_class_target, environment, tracing

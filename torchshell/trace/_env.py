@@ -21,6 +21,8 @@ from torchshell._packed import packed_as_masks
 from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._fold import folded_when_concrete
+from torchshell.trace._inplace import written_through_views
+from torchshell.trace._kinks import kink_lowerings
 from torchshell.trace._lowerings import (
     WINDOWS,
     bincount,
@@ -73,6 +75,7 @@ def environment(reads: Reads) -> Any:
         torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
         **_torchaudio_lowerings(),
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
+        **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
     }
     for aten_op, lowering in lowerings.items():
         env._ops[aten_op] = ops_registry.Operator(
@@ -102,7 +105,8 @@ def environment(reads: Reads) -> Any:
         is_view_op=False,
     )
     scalar_reads(env, reads)
-    env.dispatch = folded_when_concrete(env.dispatch)
+    # in-place ops on a slice (``bias[C:2*C].zero_()``) write through to the sliced tensor
+    env.dispatch = folded_when_concrete(written_through_views(env.dispatch))
     # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
     # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
