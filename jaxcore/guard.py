@@ -175,36 +175,57 @@ def _escaped(text: str) -> str:
     return text.replace("{", "(").replace("}", ")")
 
 
-def _embed_bounds(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    """Flax ``nn.Embed.__call__``: its ids checked against the table (like torch's
-    ``IndexError``) before the gather fills the rows past it with NaN."""
+def _embed_ids_checked(ids: Any, rows: int, table: str, kind: str) -> None:
+    """A Flax embedding's ids checked against its table (like torch's ``IndexError``) before
+    the gather fills the rows past it with NaN."""
     reports = _REPORTS.get()
+    if reports is None or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        return
+    field = reports.fields.get(id(ids))
+    what = f"The batch field {_escaped(field)}" if field else "An index computed in the model"
+    fix = (
+        "map the ids into the vocabulary in the Dataset (an unknown-token id)"
+        if field
+        else "check how the model computes those indices"
+    )
+    index_check(
+        ids,
+        rows,
+        f"{what} indexes the Flax {kind} {_escaped(table)}of {rows} rows, but holds {{value}} "
+        f"{{where}}. torch raises IndexError: index out of range on it; expected ids in "
+        f"[0, {rows - 1}]. Fix: {fix}, or build the {kind} with num_embeddings > "
+        "{value}.",
+    )
+
+
+def _embed_bounds(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+    """Flax linen ``nn.Embed.__call__``, its ids checked (an ``nn.intercept_methods`` hook)."""
     module = context.module
-    if (
-        reports is not None
-        and isinstance(module, nn.Embed)
-        and context.method_name == "__call__"
-        and args
-        and jnp.issubdtype(jnp.result_type(args[0]), jnp.integer)
-    ):
-        rows = int(module.num_embeddings)
-        field = reports.fields.get(id(args[0]))
-        table = _escaped("/".join(str(p) for p in getattr(module, "path", ())) or module.name or "")
-        what = f"The batch field {_escaped(field)}" if field else "An index computed in the model"
-        fix = (
-            "map the ids into the vocabulary in the Dataset (an unknown-token id)"
-            if field
-            else "check how the model computes those indices"
-        )
-        index_check(
-            args[0],
-            rows,
-            f"{what} indexes the Flax nn.Embed {table} of {rows} rows, but holds {{value}} "
-            f"{{where}}. torch raises IndexError: index out of range on it; expected ids in "
-            f"[0, {rows - 1}]. Fix: {fix}, or build the nn.Embed with num_embeddings > "
-            "{value}.",
+    if isinstance(module, nn.Embed) and context.method_name == "__call__" and args:
+        table = "/".join(str(p) for p in getattr(module, "path", ())) or module.name or ""
+        _embed_ids_checked(
+            args[0], int(module.num_embeddings), f"{table} " if table else "", "nn.Embed"
         )
     return next_fun(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _nnx_embeds_checked() -> Iterator[None]:
+    """Flax NNX ``nnx.Embed.__call__``, its ids checked, while a step traces (NNX has no
+    method interception: the class's ``__call__`` is wrapped for the trace's duration)."""
+    from flax import nnx
+
+    original = nnx.Embed.__call__
+
+    def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        _embed_ids_checked(inputs, int(self.num_embeddings), "", "nnx.Embed")
+        return original(self, inputs, *args, **kwargs)
+
+    nnx.Embed.__call__ = call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nnx.Embed.__call__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -224,7 +245,7 @@ def checking(batch: PyTree) -> Iterator[InputChecks]:
     reports = InputChecks(batch)
     token = _REPORTS.set(reports)
     try:
-        with nn.intercept_methods(_embed_bounds):
+        with nn.intercept_methods(_embed_bounds), _nnx_embeds_checked():
             yield reports
     finally:
         _REPORTS.reset(token)

@@ -277,6 +277,41 @@ def test_an_embed_index_past_the_table_refuses_the_step_inside_it():
     _close(again.params, st.params)
 
 
+def test_an_nnx_embed_index_past_the_table_refuses_the_step_inside_it():
+    """Flax NNX nnx.Embed ids checked in the step too (NNX has no method interception): before,
+    id 49 of a 30-row table trained into NaN ("Fix: lower the learning rate")."""
+    from flax import nnx
+
+    class Tok(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Embed(30, 4, rngs=rngs)
+            self.head = nnx.Linear(4, 3, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.head(self.embed(ids).mean(1))
+
+    model = jaxcore.nnx_model(Tok(nnx.Rngs(0)), inputs=("ids",))
+    tx = jaxcore.make_optimizer(lr=0.1)
+    good = {"ids": jnp.ones((16, 5), jnp.int32), "y": jnp.zeros(16, jnp.int32)}
+    st = jaxcore.init_train_state(model, tx, good, seed=0, mesh=_mesh())
+    step = jaxcore.make_train_step(
+        model,
+        jaxcore.softmax_cross_entropy,
+        tx,
+        state_sharding=jaxcore.state_shardings(st),
+        nan_policy="stop",
+    )
+    refused, metrics = step(st, {**good, "ids": good["ids"].at[3, 1].set(49)})
+    assert float(metrics["nonfinite"]) == 1.0
+    assert all(np.isfinite(v).all() for v in jax.tree.leaves(refused.params))
+    with pytest.raises(jaxcore.BatchError) as err:
+        jaxcore.check_finite(refused)
+    msg = str(err.value)
+    assert "batch field ['ids'] indexes the Flax nnx.Embed of 30 rows" in msg, msg
+    assert "holds 49 at step 0" in msg and "IndexError" in msg, msg
+    assert nnx.Embed.__call__.__name__ == "__call__"  # the class is left as it was
+
+
 def test_a_computed_index_is_skipped_under_skip_and_the_next_step_trains():
     st, step, good = _tok_step("skip", shift=-1, steps_per_call=2)
     two = jax.tree.map(lambda v: jnp.stack([v - 1, v]), good)  # step 1: ids 0 - 1 = -1
