@@ -323,3 +323,62 @@ def test_in_place_ops_on_a_slice_write_through() -> None:
         if not np.allclose(np.asarray(grads["b"]), net.b.grad.numpy(), rtol=1e-6):
             wrong.append(f"{name}: gradient {np.asarray(grads['b'])} != {net.b.grad.numpy()}")
     assert not wrong, "\n".join(wrong)
+
+
+# Norms with a zero vector among the rows (a padded row; a point's distance to itself).
+NORM_OPS: dict[str, Any] = {
+    "normalize": lambda a, b: F.normalize(a, dim=-1),
+    "norm": lambda a, b: a.norm(dim=-1),
+    "norm_keepdim_all": lambda a, b: a.norm(dim=(0, 1), keepdim=True) * a,
+    **{
+        f"vector_norm_{p}": lambda a, b, p=p: torch.linalg.vector_norm(a, p, dim=-1)
+        for p in (0, 0.5, 1, 1.5, 3, float("inf"), float("-inf"))
+    },
+    "dist": lambda a, b: torch.dist(a[1], b[0]) + torch.dist(a[0], a[0] * 2),
+    "cdist": lambda a, b: torch.cdist(a, torch.cat([a, b])),
+    "cdist_p1": lambda a, b: torch.cdist(a, b, p=1.0),
+    "cdist_mm": lambda a, b: torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist"),
+    "cdist_many": lambda a, b: torch.cdist(a.repeat(9, 1), b.repeat(9, 1)),  # 27 rows: mm
+    "pdist": lambda a, b: F.pdist(torch.cat([a, a])),
+    "std": lambda a, b: torch.std(a, -1),
+    "std_mean": lambda a, b: torch.std_mean(a, -1, correction=0)[0],
+    "cosine_similarity": lambda a, b: F.cosine_similarity(a, b, dim=-1),
+}
+
+
+class _NormOp(nn.Module):
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.op(a, b)
+
+
+def test_norm_gradients_at_a_zero_vector_equal_torch() -> None:
+    """Norms, distances and ``std`` over rows one of which is zero (and one with ties):
+    torch's gradient there is 0, torchax's ``sqrt(sum(x**2))`` gave NaN (every weight NaN
+    after one step of a net that ``F.normalize``s a padded row)."""
+    a = torch.tensor([[0.0, 0.0, 0.0], [0.6, -0.8, 0.0], [1.5, -1.5, 0.2]])
+    b = torch.tensor([[0.6, -0.8, 0.0], [0.1, 0.2, -0.3], [0.0, 0.0, 0.0]])
+    batch = {"a": jnp.asarray(a.numpy()), "b": jnp.asarray(b.numpy())}
+    wrong = []
+    for name, op in NORM_OPS.items():
+        leaves = [t.clone().requires_grad_(True) for t in (a, b)]
+        out = op(*leaves)
+        cot = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)
+        want = torch.autograd.grad((out * cot).sum(), leaves, allow_unused=True)
+        fns = torch_model_fns(_NormOp(op), ("a", "b"))
+
+        def run(b_: dict[str, jax.Array], fns: Any = fns) -> jax.Array:
+            return fns.apply({}, {}, b_, jax.random.key(0), True)[0]
+
+        got, vjp = jax.vjp(run, batch)
+        (grads,) = vjp(jnp.asarray(cot.numpy()))
+        if not np.allclose(np.asarray(got), out.detach().numpy(), rtol=1e-5, atol=1e-6):
+            wrong.append(f"{name} (forward: {np.asarray(got)} != {out.detach().numpy()})")
+        for key, w in zip(("a", "b"), want, strict=True):
+            w_ = np.zeros(a.shape) if w is None else w.numpy()
+            if not np.allclose(np.asarray(grads[key]), w_, rtol=1e-5, atol=1e-6):
+                wrong.append(f"{name} (d/d{key}: {np.asarray(grads[key])} != {w_})")
+    assert not wrong, "traced != torch at a zero vector:\n" + "\n".join(wrong)

@@ -30,6 +30,7 @@ from torchshell.trace._lowerings import (
     multilabel_margin_loss,
     window,
 )
+from torchshell.trace._norms import norm_lowerings
 from torchshell.trace._reads import Reads, scalar_reads
 from torchshell.trace._rnnt import rnnt_loss_forward
 
@@ -76,6 +77,7 @@ def environment(reads: Reads) -> Any:
         **_torchaudio_lowerings(),
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
+        **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
     }
     for aten_op, lowering in lowerings.items():
         env._ops[aten_op] = ops_registry.Operator(
