@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import jaxcore
-import torchshell.checkpoint as ckpt
+import torchshell.checkpoint._orbax as ckpt
 from jaxcore.models.digits import MLP
 from tests.helpers import quiet_trainer
 from torchshell import JaxModule
