@@ -70,7 +70,10 @@ class PortOptimizerPart(_Shared):
         """The user's ``configure_optimizers()``, with the Trainer attached and its own flags.
 
         Modules size schedules from ``self.trainer.estimated_stepping_batches``, which reads
-        ``accumulate_grad_batches``: the user's value is put back for the call.
+        ``accumulate_grad_batches``: the user's value is put back for the call. The Trainer's
+        ``model`` and ``lightning_module`` are the user's module for the call, as in plain
+        Lightning (``torch.optim.Adam(self.trainer.model.parameters())``, the pattern
+        Lightning's FSDP docs show, would otherwise get the JaxModule's empty list).
         """
         user, trainer = self.port.module, self._trainer
         if trainer is None:
@@ -79,9 +82,13 @@ class PortOptimizerPart(_Shared):
         for k, v in (self._flag_originals or {}).items():
             setattr(trainer, k, v)
         user.trainer = trainer
+        strategy = trainer.strategy
+        wrapped, bare = strategy._model, strategy._lightning_module
+        strategy._model, strategy._lightning_module = user, user
         try:
             return user.configure_optimizers()
         finally:
+            strategy._model, strategy._lightning_module = wrapped, bare
             for k, v in neutral.items():
                 setattr(trainer, k, v)
 
