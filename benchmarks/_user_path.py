@@ -226,15 +226,15 @@ def shell_staged_seconds(module: JaxModule, run: Path, steps: int = 200) -> floa
     the state carried from call to call, with no loader, no Lightning and no hand-over.
     """
     k = module.window_k or 1
-    attr = "_window_step" if k > 1 else "_train_step"
-    if getattr(module, attr) is None:  # (not built yet: a fit shorter than one window)
+    owner, attr = (module.windows, "step") if k > 1 else (module, "_train_step")
+    if getattr(owner, attr) is None:  # (not built yet: a fit shorter than one window)
         run(2 * k)
-    recording = _Recording(getattr(module, attr))
-    setattr(module, attr, recording)
+    recording = _Recording(getattr(owner, attr))
+    setattr(owner, attr, recording)
     try:
         run(2 * k)
     finally:
-        setattr(module, attr, recording.step)
+        setattr(owner, attr, recording.step)
     assert recording.args is not None, f"the short fit never called {attr}"
     holder = [module.state, *recording.args[1:]]  # (the recorded state was donated)
 

@@ -371,7 +371,7 @@ def test_a_user_callback_reads_each_steps_loss_from_outputs(tmp_path: Path) -> N
     trainer = _trainer(tmp_path / "flax", max_steps=30, callbacks=[callback])
     x = torch.randn(64 * 30, 64, generator=torch.Generator().manual_seed(0))
     trainer.fit(flax, DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), 64))
-    assert len(callback.losses) == 30 and flax._k == 1  # every step's own loss, no window
+    assert len(callback.losses) == 30 and flax.window_k == 1  # every step's own loss, no window
     assert callback.losses[-1] < callback.losses[0]
 
     # accumulated: each batch's own loss / 2 (the window's step runs at its second batch)

@@ -1,6 +1,6 @@
 """``steps_per_call="auto"`` (the default): K buffered batches per jitted call, K=1 meaning.
 
-The window machinery is tested with K fixed (``JaxModule._choose``), so that windows really
+The window machinery is tested with K fixed (``Windows.choose``), so that windows really
 run whatever the machine's load; :func:`choose_k` itself is tested on given timings.
 """
 
@@ -20,7 +20,7 @@ import jaxcore
 from jaxcore.models.digits import MLP
 from tests.helpers import quiet_trainer
 from torchshell import JaxModule
-from torchshell.module._windows import choose_k
+from torchshell.module._windows import Windows, choose_k
 
 
 def _loader() -> DataLoader[Any]:
@@ -66,7 +66,7 @@ class _StateReader(L.Callback):
 
 def _fit(k: int | str, steps: int, monkeypatch: pytest.MonkeyPatch, callbacks=()) -> Any:
     if k != "auto":
-        monkeypatch.setattr(JaxModule, "_choose", staticmethod(lambda *_: k))
+        monkeypatch.setattr(Windows, "choose", staticmethod(lambda *_: k))
     module = JaxModule(
         MLP(features=(32,)),
         jaxcore.softmax_cross_entropy,
@@ -96,7 +96,7 @@ def runs(mp: pytest.MonkeyPatch) -> dict[int, Any]:
 
 def test_windows_train_like_single_steps(runs: dict[int, Any]) -> None:
     one, four = runs[1][0], runs[4][0]
-    assert four.window_k == 4 and four._windows > 0  # windows did run
+    assert four.window_k == 4 and four.windows.runs > 0  # windows did run
     assert int(four.state.step) == 27
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),

@@ -19,12 +19,6 @@ from jax.sharding import Mesh
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell._errors import ConfigError
-from torchshell._torch_loss import (
-    is_torch_loss,
-    torch_function_loss,
-    torch_loss_fn,
-    written_in_torch,
-)
 from torchshell.checkpoint import _state_io, restore_state
 from torchshell.checkpoint._part import CheckpointPart
 from torchshell.module._batches import float_fields, positional_keys
@@ -33,8 +27,16 @@ from torchshell.module._flags import TrainerFlags
 from torchshell.module._parts import TrainerFlagsPart
 from torchshell.module._train_log import TrainLog
 from torchshell.module._train_parts import StepPart, TrainLogPart
-from torchshell.module._windows import WindowPart, resolve_steps_per_call
-from torchshell.module.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
+from torchshell.module._windows import Windows, resolve_steps_per_call
+from torchshell.module.adapters import (
+    Adapter,
+    FlaxAdapter,
+    Placement,
+    TorchAdapter,
+    input_names,
+    model_functions,
+    step_loss,
+)
 from torchshell.optim import map_configure_optimizers
 from torchshell.port._module import LightningParts
 from torchshell.summary import param_summary
@@ -46,7 +48,6 @@ Batch = Mapping[str, torch.Tensor]
 class JaxModule(
     StepPart,
     TrainLogPart,
-    WindowPart,
     TrainerFlagsPart,
     EvaluationPart,
     CheckpointPart,
@@ -103,6 +104,7 @@ class JaxModule(
     """
 
     _weigh_rows = True  # a micro-batch weighs its valid rows (exact masked means)
+    supports_windows = True  # from_lightning: False (the user's self.log runs per step)
 
     def __init__(
         self,
@@ -131,24 +133,14 @@ class JaxModule(
             raise ConfigError(
                 f"accum_steps must be >= 1, got {accum_steps}. Fix: use 1 to turn it off."
             )
-        self._init_windows(auto)
+        self.windows = Windows(auto)  # K batches per call (see module._windows)
+        self._last_metrics: dict[str, jax.Array] = {}
         self.automatic_optimization = False
         self.batch_keys = tuple(batch_keys)
-        names = [self._input_name(i) for i in inputs]
+        names = input_names(inputs, self.batch_keys)
         nnx_model = isinstance(model, nnx.Module)
-        if isinstance(model, ModelFns):
-            self.model_fns = model
-        elif isinstance(model, nnx.Module):  # Flax NNX: params as a plain nested dict
-            self.model_fns = jaxcore.nnx_model(model, names)
-        else:
-            self.model_fns = jaxcore.linen_model(model, names)
-        label = next((k for k in self.batch_keys if k not in names), "y")
-        if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
-            loss_fn = torch_loss_fn(loss_fn, label_key=label, inputs=names)
-        elif written_in_torch(loss_fn):  # the team's own def loss(out, y): F.... (torchax)
-            loss_fn = torch_function_loss(loss_fn, label_key=label, inputs=names)
-        elif self._weigh_rows:  # a JAX loss may return batch means, or no metrics: one
-            loss_fn = jaxcore.per_example(loss_fn)  # value per row here (else means are taken)
+        self.model_fns = model_functions(model, names)
+        loss_fn = step_loss(loss_fn, names, self.batch_keys, per_row=self._weigh_rows)
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "
@@ -174,7 +166,7 @@ class JaxModule(
         self.adapter: Adapter = FlaxAdapter(
             self.model_fns, self.placement, self.batch_keys, nnx_model=nnx_model
         )
-        self.state: TrainState | None = None
+        self._state: TrainState | None = None
         self._synced: Any = None  # the state whose weights torch_module holds
         self.compile_stats: jaxcore.CompileStats | None = None
         self.summary = ""
@@ -201,16 +193,6 @@ class JaxModule(
         self._fork_warned: set[int] = set()
         self._eval_shards: dict[int | None, list[Any]] = {}  # a loader's real rows, seen
         self._eval_check: Any = None  # the first failed input check of this eval epoch
-
-    def _input_name(self, key: str | int) -> str:
-        if isinstance(key, int):
-            if not 0 <= key < len(self.batch_keys):
-                raise ConfigError(
-                    f"inputs position {key} is outside batch_keys {self.batch_keys}. Fix: "
-                    "name every position of the DataLoader's tuples in batch_keys=(...)."
-                )
-            return self.batch_keys[key]
-        return key
 
     @classmethod
     def from_torch(
@@ -315,7 +297,7 @@ class JaxModule(
         if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
             self._float_fields = float_fields(batch)
         m = self.flags.accumulate
-        if m == 1 and self._buffering():
+        if m == 1 and self.windows.buffering():
             metrics = self._buffer_batch(batch)
             every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
             if metrics is not None and self.trainer.global_step % every == 0:
@@ -340,16 +322,18 @@ class JaxModule(
             jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
             micro, steps = self.accum_steps, self.steps_per_call
             ahead = self._outputs_ahead(batch, 0, raw)
-        if self.state is None and self._train_step is None and m == 1:
+        if self._state is None and self._train_step is None and m == 1:
             self._compile_beside_init(one, micro, jbatch)
         self.init_state(one)
         step_fn = self._step_for(micro, jbatch)
         before = self.trainer.global_step
         with self.adapter.checked(one):
-            if self._measuring():
-                metrics = self._measure(step_fn, jbatch, one)
+            if self.windows.measuring(self._windowable):
+                self._state, metrics = self.windows.timed(step_fn, self._state, jbatch)
+                if (times := self.windows.timings()) is not None:
+                    self._choose_k(times, jbatch, one)
             else:
-                self.state, metrics = step_fn(self.state, jbatch)
+                self._state, metrics = step_fn(self._state, jbatch)
         if self._stats_due and self.compile_stats is not None:
             self._stats_due = False
             self._log_to_loggers(
@@ -366,19 +350,36 @@ class JaxModule(
             self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
         return ahead if ahead is not None else self._outputs(metrics)
 
-    def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
-        """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
-        self._window.append(batch)
-        m = self.flags.accumulate
-        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if len(self._window) < m and not last:
-            return None
-        window, self._window = self._window, []
-        rows_ = self._micro_rows = [self.adapter.global_rows(b) for b in window]
-        return self.adapter.stack(window, m), window[0], rows_[0], len(window)
+    # -- K batches per call (steps_per_call="auto", see torchshell.module._windows) -----------
+    @property
+    def state(self) -> TrainState | None:
+        """The JAX train state; batches still buffered for a window run first."""
+        if self.windows.buffer:
+            self._run_window()
+        return self._state
 
-    def on_train_epoch_end(self) -> None:
-        self._window = []  # (a window never spans epochs: the last batch closes it)
+    @state.setter
+    def state(self, value: TrainState | None) -> None:
+        self._state = value
+
+    def _buffer_batch(self, batch: Any) -> dict[str, jax.Array] | None:
+        """Keeps the batch; runs the window (its last step's metrics) when one is due."""
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
+        every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+        if self.windows.take(batch, self.trainer.global_step, every):
+            return self._run_window()
+        return None
+
+    def _run_window(self) -> dict[str, jax.Array]:
+        """Runs the buffered batches: K in one call, or one per call for a short window."""
+
+        self._state, metrics = self.windows.run(
+            self._state, self.placement, self._window_step, self._one_step
+        )
+        self._last_metrics = metrics
+        return metrics
 
 
 class LightningJaxModule(LightningParts, JaxModule):

@@ -59,6 +59,9 @@ class _Shared(L.LightningModule):
     placement: Any  # torchshell.module.adapters.Placement
     adapter: Any  # torchshell.module.adapters.Adapter
     state: Any
+    _state: Any
+    windows: Any  # torchshell.module._windows.Windows
+    supports_windows: bool
     flags: TrainerFlags
     _flag_originals: dict[str, Any] | None
     _train_step: jaxcore.Step | None
@@ -103,6 +106,7 @@ class _Shared(L.LightningModule):
     _outputs_wanted: Callable[[], bool]
     _outputs_ahead: Callable[[Any, int, Any], dict[str, Any] | None]
     _step_forward: Callable[[Any, int], tuple[Any, jax.Array]]
+    _log_to_loggers: Callable[[dict[str, float]], None]
 
 
 class TrainerFlagsPart(_Shared):

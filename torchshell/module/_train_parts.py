@@ -51,6 +51,62 @@ class StepPart(_Shared):
             grads_fn=self._grads_fn(),
         )
 
+    def _window_step(self, k: int) -> jaxcore.Step:
+        """The K-step program of ``steps_per_call="auto"`` windows (:mod:`._windows`)."""
+        return jaxcore.make_train_step(
+            self.model_fns,
+            self.loss_fn,
+            self.optimizer(),
+            state_sharding=jaxcore.state_shardings(self._state),
+            steps_per_call=k,
+            compute_dtype=self._compute_dtype,
+            nan_policy=self.nan_policy,
+        )
+
+    def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
+        """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
+        self._window.append(batch)
+        m = self.flags.accumulate
+        last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if len(self._window) < m and not last:
+            return None
+        window, self._window = self._window, []
+        rows_ = self._micro_rows = [self.adapter.global_rows(b) for b in window]
+        return self.adapter.stack(window, m), window[0], rows_[0], len(window)
+
+    def on_train_epoch_end(self) -> None:
+        self._window = []  # (a window never spans epochs: the last batch closes it)
+
+    @property
+    def window_k(self) -> int | None:
+        """K chosen by ``steps_per_call="auto"`` (``None`` while measuring; 1 when off)."""
+        return self.windows.k
+
+    def _windowable(self) -> bool:
+        """Whether this run can buffer batches (else K=1, nothing measured)."""
+        return (
+            self.supports_windows
+            and self.flags.accumulate == 1
+            and self.accum_steps == 1
+            and jax.process_count() == 1
+            and not self._outputs_wanted()  # a callback reads each step's loss
+        )
+
+    def _choose_k(self, times: tuple[float, float], jbatch: Any, batch: Any) -> None:
+        every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+        flops = getattr(self.compile_stats, "flops_per_step", None)
+        can = not self.adapter.reads_values(jbatch) and "mask" not in batch
+        k = self.windows.choose(*times, every, flops) if can else 1
+        self.windows.k = k
+        self._log_to_loggers({"compile/steps_per_call": float(k)})
+
+    def _one_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
+        """One step of a window cut short (K=1 math, one call per batch)."""
+        jbatch, one, _ = self.adapter.one_step_view(batch, 1)
+        assert self._train_step is not None
+        with self.adapter.checked(one):
+            return self._train_step(state, jbatch)  # type: ignore[no-any-return]
+
     def _grads_fn(self) -> Any:
         """What runs on the step's gradients before the optimizer (``make_train_step``)."""
         return None

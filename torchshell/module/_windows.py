@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,7 +43,7 @@ import jaxcore
 from torchshell._errors import ConfigError
 from torchshell.module._batches import rows
 
-__all__ = ["WindowPart", "choose_k"]
+__all__ = ["Windows", "choose_k", "resolve_steps_per_call"]
 
 _PROBE = 3  # timed steps (after one untimed)
 _MAX_K = 16
@@ -108,78 +109,53 @@ def resolve_steps_per_call(value: int | str) -> tuple[int, bool]:
     return value, False
 
 
-class WindowPart:
-    """Buffers batches and runs them K per call (see the module docstring).
+class Windows:
+    """The batches of a ``steps_per_call="auto"`` run: K chosen, then buffered and run K per call.
 
-    Mixed into :class:`~torchshell.module.JaxModule`; uses its step factory and hand-over.
+    Owned by :class:`~torchshell.module.JaxModule` (``module.windows``); it holds no module
+    state: the JAX state goes in and comes out of :meth:`timed` and :meth:`run`.
+
+    Args:
+        auto: whether K is measured (``steps_per_call="auto"``); otherwise K is 1 here.
+
+    Example:
+        >>> w = Windows(auto=True)
+        >>> w.measuring(lambda: False), w.k  # nothing to measure: one step per call
+        (False, 1)
     """
 
-    supports_windows = True  # from_lightning: False (the user's self.log runs per step)
-    _choose = staticmethod(choose_k)  # (the tests fix K through this)
-    _auto: bool
-    _k: int | None  # None while measuring
-    _buffer: list[dict[str, torch.Tensor]]
-    _probe: list[tuple[float, float]]
-    _state_value: Any
-    _window_step: Any
-    _windows: int
+    choose = staticmethod(choose_k)  # (the tests fix K through this)
 
-    # -- the state catches up when read -------------------------------------------------------
-    @property
-    def state(self) -> Any:
-        if self.__dict__.get("_buffer"):
-            self._flush_window()
-        return self.__dict__.get("_state_value")
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.__dict__["_state_value"] = value
-
-    def _init_windows(self, auto: bool) -> None:
-        self._auto = auto
-        self._k = None if auto else 1
-        self._buffer = []
-        self._probe = []
+    def __init__(self, auto: bool) -> None:
+        self.auto = auto
+        self.k: int | None = None if auto else 1  # None while measuring
+        self.buffer: list[dict[str, torch.Tensor]] = []
+        self.step: jaxcore.Step | None = None  # the K-step program, built at the first window
+        self.runs = 0  # windows run K per call
+        self._probe: list[tuple[float, float]] = []
         self._ready: float | None = None
-        self._window_step = None
-        self._windows = 0
-        self._last_metrics: dict[str, jax.Array] = {}
 
-    @property
-    def window_k(self) -> int | None:
-        """K chosen by ``steps_per_call="auto"`` (``None`` while measuring; 1 when off)."""
-        return self._k
+    def buffering(self) -> bool:
+        """Whether batches are being buffered (K chosen and > 1)."""
+        return self.auto and self.k is not None and self.k > 1
 
-    def _buffering(self) -> bool:
-        return self._auto and self._k is not None and self._k > 1
-
-    def _can_window(self, jbatch: Any, batch: Any) -> bool:
-        t: Any = self
-        return not t.adapter.reads_values(jbatch) and "mask" not in batch
-
-    def _measuring(self) -> bool:
-        if not self._auto or self._k is not None:
+    def measuring(self, windowable: Callable[[], bool]) -> bool:
+        """Whether the next step is timed; settles K=1 when the run cannot window (asked
+        only while K is open)."""
+        if not self.auto or self.k is not None:
             return False
-        t: Any = self
-        if (
-            not self.supports_windows
-            or t.flags.accumulate != 1
-            or t.accum_steps != 1
-            or jax.process_count() != 1
-            or t._outputs_wanted()  # a callback reads each step's loss
-        ):
-            self._k = 1  # nothing to measure: these run one step per call
+        if not windowable():
+            self.k = 1  # nothing to measure: these run one step per call
             return False
         return True
 
-    def _measure(self, step_fn: Any, jbatch: Any, batch: Any) -> dict[str, jax.Array]:
-        """Runs one step, timed to its result (blocks: only the first steps of a module).
+    def timed(self, step_fn: Any, state: Any, jbatch: Any) -> tuple[Any, dict[str, jax.Array]]:
+        """Runs one step timed to its result (blocks: only the first steps of a module).
 
         The first call (it may still load the executable) is not counted.
         """
-        t: Any = self
         t0 = time.perf_counter()
-        t.__dict__["_state_value"], metrics = step_fn(self._state_value, jbatch)
+        state, metrics = step_fn(state, jbatch)
         jax.block_until_ready(metrics)
         ready = time.perf_counter()
         # (step time, the shell's time from the last result to this dispatch; a gap over a
@@ -187,74 +163,49 @@ class WindowPart:
         if self._ready is not None and t0 - self._ready < 1.0:
             self._probe.append((ready - t0, t0 - self._ready))
         self._ready = ready
+        return state, metrics
+
+    def timings(self) -> tuple[float, float] | None:
+        """``(step, shell)`` seconds (the fastest of each) once enough steps were timed."""
         if len(self._probe) < _PROBE:
-            return metrics  # type: ignore[no-any-return]
-        every = max(int(t.trainer.log_every_n_steps), 1)
-        step_s = min(p[0] for p in self._probe)
-        shell_s = min(p[1] for p in self._probe)
-        flops = getattr(t.compile_stats, "flops_per_step", None)
-        k = self._choose(step_s, shell_s, every, flops) if self._can_window(jbatch, batch) else 1
-        self._k = k
-        t._log_to_loggers({"compile/steps_per_call": float(k)})
-        return metrics  # type: ignore[no-any-return]
+            return None
+        return min(p[0] for p in self._probe), min(p[1] for p in self._probe)
 
-    # -- buffered steps -----------------------------------------------------------------------
-    def _buffer_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, jax.Array] | None:
-        """Keeps the batch; runs the window when ``global_step`` reaches a multiple of K.
+    def take(self, batch: dict[str, torch.Tensor], step: int, log_every: int) -> bool:
+        """Keeps the batch (``step``: the ``global_step`` it brings); whether the window is due
+        (``global_step`` at a multiple of K or at a logging step)."""
+        self.buffer.append(batch)
+        return step % (self.k or 1) == 0 or step % log_every == 0
 
-        Returns the metrics of the window's last step when one ran (else ``None``).
+    def run(
+        self,
+        state: Any,
+        placement: Any,
+        window_step: Callable[[int], jaxcore.Step],
+        one_step: Callable[[Any, dict[str, torch.Tensor]], tuple[Any, dict[str, jax.Array]]],
+    ) -> tuple[Any, dict[str, jax.Array]]:
+        """Empties the buffer: a full window stacked (``[K, B, ...]``, a ``mask`` of real rows)
+        and run in one call of ``window_step(K)`` (built once), a short one by ``one_step``.
+
+        Returns:
+            The state after the window and the metrics of its last step.
         """
-        t: Any = self
-        self._buffer.append(batch)
-        progress = t.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        progress.increment_ready()
-        progress.increment_completed()
-        step = t.trainer.global_step
-        every = max(int(t.trainer.log_every_n_steps), 1)
-        if step % (self._k or 1) == 0 or step % every == 0:
-            return self._flush_window()
-        return None
-
-    def _flush_window(self) -> dict[str, jax.Array]:
-        """Runs the buffered batches: K in one call, or one per call for a short window."""
-        t: Any = self
-        batches, self._buffer = self._buffer, []
-        state = self._state_value
-        k = self._k or 1
-        n = max(rows(b) for b in batches)
-        if len(batches) == k and k > 1:
-            padded = [b if rows(b) == n else bridge.pad_batch(b, n) for b in batches]
-            if any("mask" in b for b in padded):
-                padded = [bridge.pad_batch(b, n) for b in padded]
-            stacked = {name: torch.stack([b[name] for b in padded]) for name in padded[0]}
-            p = t.placement
-            jbatch = bridge.to_jax(stacked, p.window, stats=p.stats)
-            if "mask" not in jbatch:
-                jbatch["mask"] = p.window_mask(k, n)
-            if self._window_step is None:
-                self._window_step = jaxcore.make_train_step(
-                    t.model_fns,
-                    t.loss_fn,
-                    t.optimizer(),
-                    state_sharding=jaxcore.state_shardings(state),
-                    steps_per_call=k,
-                    compute_dtype=t._compute_dtype,
-                    nan_policy=t.nan_policy,
-                )
-            state, metrics = self._window_step(state, jbatch)
-            self._windows += 1
-        else:
-            step_fn = t._train_step
-            metrics = {}
+        batches, self.buffer = self.buffer, []
+        k = self.k or 1
+        if len(batches) != k or k == 1:
+            metrics: dict[str, jax.Array] = {}
             for b in batches:
-                jbatch, one, _ = t.adapter.one_step_view(b, 1)
-                with t.adapter.checked(one):
-                    state, metrics = step_fn(state, jbatch)
-        self.__dict__["_state_value"] = state
-        self._last_metrics = metrics
-        return metrics
-
-    @property
-    def window_compiles(self) -> int:
-        """Compilations of the K-step window (0 or 1; reported under ``compile/``)."""
-        return 0 if self._window_step is None else self._window_step.compiles
+                state, metrics = one_step(state, b)
+            return state, metrics
+        n = max(rows(b) for b in batches)
+        padded = [b if rows(b) == n else bridge.pad_batch(b, n) for b in batches]
+        if any("mask" in b for b in padded):
+            padded = [bridge.pad_batch(b, n) for b in padded]
+        stacked = {name: torch.stack([b[name] for b in padded]) for name in padded[0]}
+        jbatch = bridge.to_jax(stacked, placement.window, stats=placement.stats)
+        if "mask" not in jbatch:
+            jbatch["mask"] = placement.window_mask(k, n)
+        if self.step is None:
+            self.step = window_step(k)
+        self.runs += 1
+        return self.step(state, jbatch)  # type: ignore[no-any-return]

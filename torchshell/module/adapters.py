@@ -41,11 +41,62 @@ from jax.sharding import Mesh
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
+from torchshell._torch_loss import (
+    is_torch_loss,
+    torch_function_loss,
+    torch_loss_fn,
+    written_in_torch,
+)
 from torchshell._torch_static import specialise_batch
 from torchshell.module._batches import check_fields, host_fields_out, name_batch, rows, signature
 from torchshell.module._flax_checks import check_batch
 
 __all__ = ["Adapter", "FlaxAdapter", "Placement", "TorchAdapter"]
+
+
+def input_names(inputs: Sequence[str | int], batch_keys: Sequence[str]) -> list[str]:
+    """The batch fields a model reads: names, or positions of a tuple batch named by
+    ``batch_keys``.
+
+    Example:
+        >>> input_names([0, "mask"], ("ids", "mask", "label"))
+        ['ids', 'mask']
+    """
+    names = []
+    for key in inputs:
+        if isinstance(key, int):
+            if not 0 <= key < len(batch_keys):
+                raise ConfigError(
+                    f"inputs position {key} is outside batch_keys {tuple(batch_keys)}. Fix: "
+                    "name every position of the DataLoader's tuples in batch_keys=(...)."
+                )
+            key = batch_keys[key]
+        names.append(key)
+    return names
+
+
+def model_functions(model: Any, names: Sequence[str]) -> jaxcore.ModelFns:
+    """A Flax linen or NNX module (or ready ``ModelFns``) as the step's model functions."""
+    if isinstance(model, jaxcore.ModelFns):
+        return model
+    from flax import nnx
+
+    if isinstance(model, nnx.Module):  # Flax NNX: params as a plain nested dict
+        return jaxcore.nnx_model(model, list(names))
+    return jaxcore.linen_model(model, list(names))
+
+
+def step_loss(
+    loss_fn: Any, names: Sequence[str], batch_keys: Sequence[str], *, per_row: bool
+) -> Any:
+    """The loss as the step calls it: a torch loss run by torchax, or a JAX loss evaluated per
+    row when ``per_row`` (a JAX loss may return batch means, or no metrics)."""
+    label = next((k for k in batch_keys if k not in names), "y")
+    if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
+        return torch_loss_fn(loss_fn, label_key=label, inputs=list(names))
+    if written_in_torch(loss_fn):  # the team's own def loss(out, y): F.... (torchax)
+        return torch_function_loss(loss_fn, label_key=label, inputs=list(names))
+    return jaxcore.per_example(loss_fn) if per_row else loss_fn
 
 
 class Placement:
