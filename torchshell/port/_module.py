@@ -36,6 +36,7 @@ from torchshell.port._ckpt_part import PortCheckpointPart
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._manual_parts import ManualParts
 from torchshell.port._optim_part import PortOptimizerPart
+from torchshell.port._prepare import check_trainable, layers_changed
 from torchshell.port._repeats import RepeatedRows
 from torchshell.port._trace import LightningPort
 from torchshell.port._user import UserEvaluation, UserMetrics
@@ -156,6 +157,14 @@ class LightningParts(
             self._step_plateau()  # after every epoch-end hook, as Lightning steps it
 
         self.on_train_epoch_end = on_train_epoch_end  # type: ignore[method-assign]
+        epoch_start = self.on_train_epoch_start
+
+        def on_train_epoch_start() -> None:
+            epoch_start()  # (after the callbacks' and the user's: a freeze or unfreeze there)
+            optimizers = None if self.tx is not None else self.trainer.optimizers
+            check_trainable(port.module, port.tracer, optimizers, self.current_epoch)
+
+        self.on_train_epoch_start = on_train_epoch_start  # type: ignore[method-assign]
         for hook in _DATA_HOOKS + _TRANSFER_HOOKS:  # the module's own loaders and transforms
             if port.overrides(hook):
                 setattr(self, hook, getattr(module, hook))
@@ -214,6 +223,15 @@ class LightningParts(
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.port.module.setup(stage)
+        if self.state is None:  # (layers its setup built: traced and trained, as in Lightning)
+            self.port.refresh()
+        elif layers_changed(self.port.module, self.port.tracer):
+            raise ConfigError(
+                f"{type(self.port.module).__name__}.setup({stage!r}) changed the module's "
+                "layers after its weights were already in the JAX state (an earlier fit or a "
+                "restored checkpoint). Fix: make setup idempotent (build a layer only when it "
+                "is missing: `if self.head is None:`), or build the layers in __init__."
+            )
 
     def teardown(self, stage: str) -> None:
         self.port.module.teardown(stage)

@@ -44,6 +44,7 @@ from torchshell.port._logs import (
     _take_appended,
     hook_key,
 )
+from torchshell.port._prepare import layers_changed, prepare_module
 from torchshell.torch_model import TorchTracer
 
 __all__ = ["LightningPort"]
@@ -82,6 +83,7 @@ class LightningPort(LogCapture):
         self.manual: Any = None
         self.manual_steps = 1  # opt.step() calls per training_step (global_step's count)
         self.host_reads: dict[str, Any] = {}  # Trainer values it read (port._host_reads)
+        prepare_module(module)  # (configure_model, lazy layers: every weight sized)
         self.tracer = TorchTracer(module)
         # per hook key: the numbers and types of the batch scalars it reads (specialise)
         self.statics: dict[str, tuple[list[int], list[type]]] = {}
@@ -93,6 +95,16 @@ class LightningPort(LogCapture):
         self._warned: set[tuple[str, str]] = set()
         # training_step returns more than its loss, appends to lists (see _hook_fn)
         self.returns_more = (False, False)
+
+    def refresh(self) -> bool:
+        """Snapshots the module's weights again when a hook run after ``from_lightning`` (the
+        user's ``setup(stage)``: a head sized from the data, a frozen backbone) changed its
+        layers; before the first step only. Whether it did."""
+        if not layers_changed(self.module, self.tracer):
+            return False
+        self.tracer = TorchTracer(self.module)
+        self.embeddings.install(self.tracer.env, self.module)
+        return True
 
     def overrides(self, hook: str) -> bool:
         """Whether the user's class defines ``hook`` (Lightning's own check)."""
@@ -177,6 +189,8 @@ class LightningPort(LogCapture):
                         out = getattr(self.module, hook)(b, *self._batch_idx(hook), *extra)
                 finally:
                     appended = _take_appended(self.module, lists)
+            if hook == "training_step" and out is None and self.manual_plan is None:
+                raise self._returned_none()
             if hook == "training_step":  # (every trace of it: see LightningParts._outputs_ahead)
                 extras = isinstance(out, Mapping) and set(out) - {"loss"}
                 self.returns_more = (bool(extras), bool(appended))
@@ -188,6 +202,24 @@ class LightningPort(LogCapture):
             )
 
         return fn
+
+    def _returned_none(self) -> TorchModelError:
+        """``training_step`` returned None: Lightning skips that batch; a compiled step cannot
+        (on a traced branch, ``lax.cond`` would get a loss on one path and None on the other)."""
+        name = type(self.module).__name__
+        where = (
+            " on a path chosen by a traced value (e.g. `if not torch.isfinite(loss): return None`)"
+            if self.tracer.reads.d
+            else ""
+        )
+        return TorchModelError(
+            f"{name}.training_step returned None{where}: plain Lightning skips that batch's "
+            "optimizer step, which one compiled JAX step cannot decide per batch. Expected "
+            "the loss (a scalar tensor, or a dict with 'loss') on every path. Fix: return the "
+            "loss; to skip steps whose loss or gradients are not finite, pass "
+            "nan_policy='skip' to JaxModule.from_lightning(...) (the update is not applied, "
+            "counted in coreshell/train/nonfinite_steps)."
+        )
 
     def _manual_call(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         """``training_step`` under manual optimization: ``(its return, the run's results)``."""
