@@ -9,9 +9,11 @@ here, so the epoch means are those of one process over the same rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -22,47 +24,63 @@ from torchshell.data._sampler import real_rows, shard_sampler
 from torchshell.module._batches import rows
 from torchshell.module._parts import _Shared
 
-__all__ = ["EvaluationPart"]
+__all__ = ["Evaluation", "EvaluationPart"]
 
 
-class EvaluationPart(_Shared):
-    # -- evaluation ----------------------------------------------------------------------
-    def _eval(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
-        batch = self._unrepeated(self.adapter.prepare(batch), batch_idx, dataloader_idx)
-        state = self.init_state(batch)
-        if self._eval_step is None:
-            self._eval_step = jaxcore.make_eval_step(
-                self.model_fns,
-                self.loss_fn,
-                state_sharding=jaxcore.state_shardings(state),
-                batch_sharding=self.placement.batch,
-                compute_dtype=self._compute_dtype,
-                input_checks=True,
-            )
-        with self.adapter.checked(batch):
-            sums, check = self._eval_step(state, self.adapter.to_jax(batch, train=False))
-        before_check = self._eval_check
-        self._eval_check = check if before_check is None else first_failed(before_check, check)
-        before = self._eval_sums.get(dataloader_idx)
-        self._eval_sums[dataloader_idx] = (
-            sums if before is None else jax.tree.map(lambda a, b: a + b, before, sums)
-        )
+class Evaluation:
+    """One module's evaluation: its compiled steps, and per loader the masked sums of an epoch
+    (exact means over the real rows), the first failed input check, the rows seen.
 
-    def _unrepeated(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> Any:
+    Example:
+        >>> ev = Evaluation()
+        >>> ev.add({"loss": jnp.float32(3.0), "count": jnp.float32(2.0)}, None, None)
+        >>> ev.epoch_means("in a validation batch")
+        {None: {'loss': 1.5}}
+    """
+
+    def __init__(self) -> None:
+        self.step: jaxcore.Step | None = None
+        self.predict_step: jaxcore.Step | None = None
+        self._sums: dict[int | None, dict[str, jax.Array]] = {}
+        self._check: Any = None
+        self._shards: dict[int | None, list[Any]] = {}  # a loader's real rows, seen
+
+    def add(self, sums: dict[str, jax.Array], check: Any, idx: int | None) -> None:
+        """Adds one batch's masked sums (and its input check) to loader ``idx``'s epoch."""
+        if check is not None:
+            self._check = check if self._check is None else first_failed(self._check, check)
+        before = self._sums.get(idx)
+        self._sums[idx] = sums if before is None else jax.tree.map(jnp.add, before, sums)
+
+    def epoch_means(self, where: str) -> dict[int | None, dict[str, float]]:
+        """The epoch's means per loader (the sums divided by ``count``); starts a new epoch.
+
+        Raises:
+            BatchError: an input check failed in a batch (``where`` says which kind).
+        """
+        check, self._check = self._check, None
+        if check is not None:  # ids past an embedding table (torch: IndexError)
+            raise_failed(check, where)
+        every, self._sums = jax.device_get(self._sums), {}
+        means = {}
+        for idx, sums in every.items():
+            count = float(sums.pop("count"))
+            means[idx] = {k: float(v) / count for k, v in sums.items()}
+        return means
+
+    def unrepeated(
+        self, batch: Any, batch_idx: int, idx: int | None, loader: Callable[[], Any]
+    ) -> Any:
         """The batch with the rows its loader's ``DistributedSampler`` repeated masked out.
 
         Such a sampler evens out the processes' shards by repeating rows at the end of a
         shard (:func:`~torchshell.data.real_rows`); the rows of this process's shard seen so
         far (counted from ``batch_idx == 0``, the start of the loader's pass) say where they
-        begin. Batches of any other loader pass unchanged.
+        begin. Batches of any other loader pass unchanged. ``loader()`` gives the loader.
         """
-        shards = self._eval_shards
-        if batch_idx == 0 or dataloader_idx not in shards:  # a new pass over this loader
-            shards[dataloader_idx] = [
-                real_rows(shard_sampler(self._eval_loader(dataloader_idx))),
-                0,
-            ]
-        shard = shards[dataloader_idx]
+        if batch_idx == 0 or idx not in self._shards:  # a new pass over this loader
+            self._shards[idx] = [real_rows(shard_sampler(loader())), 0]
+        shard = self._shards[idx]
         real, seen = shard
         n = rows(batch)
         shard[1] = seen + n
@@ -73,38 +91,61 @@ class EvaluationPart(_Shared):
             keep &= torch.as_tensor(batch["mask"]).bool().reshape(-1)
         return {**batch, "mask": keep}
 
+
+def eval_loader(trainer: Any, dataloader_idx: int | None) -> Any:
+    """The DataLoader of the running validation/test pass that ``dataloader_idx`` names
+    (Lightning's order of the flattened loaders), or ``None`` without a Trainer."""
+    if trainer is None:
+        return None
+    fn = trainer.state.fn  # (the stage says "validating" inside fit too)
+    if fn == TrainerFn.TESTING:
+        loop = trainer.test_loop
+    elif fn == TrainerFn.VALIDATING:
+        loop = trainer.validate_loop
+    else:  # validation inside fit, the sanity check included
+        loop = trainer.fit_loop.epoch_loop.val_loop
+    combined = loop._combined_loader
+    if combined is None:
+        return None
+    loaders = combined.flattened
+    idx = dataloader_idx or 0
+    return loaders[idx] if idx < len(loaders) else None
+
+
+class EvaluationPart(_Shared):
+    """The Lightning hooks of evaluation and prediction, over the module's :class:`Evaluation`."""
+
+    def _eval(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
+        ev = self.evaluation
+        batch = self.adapter.prepare(batch)
+        batch = ev.unrepeated(
+            batch, batch_idx, dataloader_idx, lambda: self._eval_loader(dataloader_idx)
+        )
+        state = self.init_state(batch)
+        if ev.step is None:
+            ev.step = jaxcore.make_eval_step(
+                self.model_fns,
+                self.loss_fn,
+                state_sharding=jaxcore.state_shardings(state),
+                batch_sharding=self.placement.batch,
+                compute_dtype=self._compute_dtype,
+                input_checks=True,
+            )
+        with self.adapter.checked(batch):
+            sums, check = ev.step(state, self.adapter.to_jax(batch, train=False))
+        ev.add(sums, check, dataloader_idx)
+
     def _eval_loader(self, dataloader_idx: int | None) -> Any:
-        """The DataLoader of the running validation/test pass that ``dataloader_idx`` names
-        (Lightning's order of the flattened loaders), or ``None`` without a Trainer."""
-        trainer = self._trainer
-        if trainer is None:
-            return None
-        fn = trainer.state.fn  # (the stage says "validating" inside fit too)
-        if fn == TrainerFn.TESTING:
-            loop = trainer.test_loop
-        elif fn == TrainerFn.VALIDATING:
-            loop = trainer.validate_loop
-        else:  # validation inside fit, the sanity check included
-            loop = trainer.fit_loop.epoch_loop.val_loop
-        combined = loop._combined_loader
-        if combined is None:
-            return None
-        loaders = combined.flattened
-        idx = dataloader_idx or 0
-        return loaders[idx] if idx < len(loaders) else None
+        return eval_loader(self._trainer, dataloader_idx)
 
     def _eval_epoch_end(self, prefix: str) -> None:
         """Exact epoch means per loader: ``val/loss``, or with several loaders Lightning's
         ``val/loss/dataloader_idx_N``."""
-        check, self._eval_check = self._eval_check, None
-        if check is not None:  # ids past an embedding table (torch: IndexError)
-            raise_failed(check, f"in a {'validation' if prefix == 'val' else prefix} batch")
-        every, self._eval_sums = jax.device_get(self._eval_sums), {}
-        for idx, sums in every.items():
-            count = float(sums.pop("count"))
+        where = f"in a {'validation' if prefix == 'val' else prefix} batch"
+        for idx, means in self.evaluation.epoch_means(where).items():
             suffix = "" if idx is None else f"/dataloader_idx_{idx}"
             self.log_dict(
-                {f"{prefix}/{k}{suffix}": float(v) / count for k, v in sums.items()},
+                {f"{prefix}/{k}{suffix}": v for k, v in means.items()},
                 prog_bar=prefix == "val",
                 add_dataloader_idx=False,  # (named here: epoch-end hooks have no loader)
             )
@@ -127,11 +168,12 @@ class EvaluationPart(_Shared):
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         batch = self.adapter.prepare(batch)
         state = self.init_state(batch)
-        if self._predict_step is None:
-            self._predict_step = jaxcore.make_predict_step(
+        ev = self.evaluation
+        if ev.predict_step is None:
+            ev.predict_step = jaxcore.make_predict_step(
                 self.model_fns, compute_dtype=self._compute_dtype, input_checks=True
             )
         n = rows(batch)
-        outputs, check = self._predict_step(state, self.adapter.to_jax(batch, train=False))
+        outputs, check = ev.predict_step(state, self.adapter.to_jax(batch, train=False))
         raise_failed(check, "in a predict batch")  # (the outputs come to the host anyway)
         return bridge.to_torch(outputs)[:n]

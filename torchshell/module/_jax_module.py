@@ -22,7 +22,7 @@ from torchshell._errors import ConfigError
 from torchshell.checkpoint import _state_io, restore_state
 from torchshell.checkpoint._part import CheckpointPart
 from torchshell.module._batches import float_fields, positional_keys
-from torchshell.module._evaluation import EvaluationPart
+from torchshell.module._evaluation import Evaluation, EvaluationPart
 from torchshell.module._flags import TrainerFlags
 from torchshell.module._parts import TrainerFlagsPart
 from torchshell.module._train_log import TrainLog
@@ -134,6 +134,7 @@ class JaxModule(
                 f"accum_steps must be >= 1, got {accum_steps}. Fix: use 1 to turn it off."
             )
         self.windows = Windows(auto)  # K batches per call (see module._windows)
+        self.evaluation = Evaluation()  # its steps and epoch sums (module._evaluation)
         self._last_metrics: dict[str, jax.Array] = {}
         self.automatic_optimization = False
         self.batch_keys = tuple(batch_keys)
@@ -177,9 +178,6 @@ class JaxModule(
         # a short last accumulation window, or one holding a ragged batch: (micro, ragged)
         self._short_steps: dict[tuple[int, bool], jaxcore.Step] = {}
         self._train_forward: jaxcore.Step | None = None  # see _outputs_ahead
-        self._eval_step: jaxcore.Step | None = None
-        self._predict_step: jaxcore.Step | None = None
-        self._eval_sums: dict[int | None, dict[str, jax.Array]] = {}
         self._restore_dir: Path | None = None
         self._restore_tensors: dict[str, torch.Tensor] | None = None
         self._window: list[Any] = []  # batches of the current accumulation window
@@ -191,8 +189,6 @@ class JaxModule(
         self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
         self._gathered: list[Any] = []  # loaders read by gathers while a run lasts
         self._fork_warned: set[int] = set()
-        self._eval_shards: dict[int | None, list[Any]] = {}  # a loader's real rows, seen
-        self._eval_check: Any = None  # the first failed input check of this eval epoch
 
     @classmethod
     def from_torch(

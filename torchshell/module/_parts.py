@@ -61,15 +61,13 @@ class _Shared(L.LightningModule):
     state: Any
     _state: Any
     windows: Any  # torchshell.module._windows.Windows
+    evaluation: Any  # torchshell.module._evaluation.Evaluation
     supports_windows: bool
     flags: TrainerFlags
     _flag_originals: dict[str, Any] | None
     _train_step: jaxcore.Step | None
     _short_steps: dict[tuple[int, bool], jaxcore.Step]
     _train_forward: jaxcore.Step | None
-    _eval_step: jaxcore.Step | None
-    _predict_step: jaxcore.Step | None
-    _eval_sums: dict[int | None, dict[str, jax.Array]]  # per evaluation loader
     _restore_dir: Path | None
     _restore_tensors: dict[str, torch.Tensor] | None
     _synced: Any  # the state whose weights torch_module holds
@@ -82,8 +80,6 @@ class _Shared(L.LightningModule):
     _wants_outputs: tuple[Any, bool]
     _gathered: list[Any]
     _fork_warned: set[int]
-    _eval_shards: dict[int | None, list[Any]]
-    _eval_check: Any
     _last_metrics: dict[str, jax.Array]
     _pending: Any
     compile_stats: Any
@@ -194,7 +190,8 @@ class TrainerFlagsPart(_Shared):
                 "of the two."
             )
         if flags != self.flags:
-            self._train_step = self._eval_step = self._predict_step = None
+            self._train_step = None
+            self.evaluation.step = self.evaluation.predict_step = None
             self._train_forward = None
             self._short_steps = {}
         if self.flags.clip_val != flags.clip_val and self.state is not None:
