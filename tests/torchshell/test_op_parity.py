@@ -9,6 +9,7 @@ decompositions for ops it does not lower; one of those was wrong
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -284,29 +285,45 @@ SLICE_OPS: dict[str, Any] = {
     "mul_": lambda v: v.mul_(2.0),  # (written through before too: torchax's own)
     "copy_": lambda v: v.copy_(torch.zeros(2)),
     "nested_slice": lambda v: v[1:].zero_(),
+    # in-place ops torchax has no lowering for (the trace stopped, slice or not)
+    "exp_": lambda v: v.exp_(),
+    "neg_": lambda v: v.neg_(),
+    "abs_": lambda v: v.sub_(3.5).abs_(),
+    "log_": lambda v: v.log_(),
+    "floor_": lambda v: v.div_(3).floor_(),
+    "round_": lambda v: v.div_(3).round_(),
+    "trunc_": lambda v: v.div_(-3).trunc_(),
+    "sign_": lambda v: v.sub_(3.5).sign_(),
+    "rsqrt_": lambda v: v.rsqrt_(),
+    "reciprocal_": lambda v: v.reciprocal_(),
+    "clamp_max_": lambda v: v.clamp_max_(3.5),
 }
 
 
 class _SliceWrite(nn.Module):
-    def __init__(self, op: Any) -> None:
+    def __init__(self, op: Any, whole: bool) -> None:
         super().__init__()
         self.b = nn.Parameter(torch.arange(1.0, 7.0))
-        self.op = op
+        self.op, self.whole = op, whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.b.clone()
-        self.op(b[2:4])
+        self.op(b if self.whole else b[2:4])
         return x * b
 
 
 def test_in_place_ops_on_a_slice_write_through() -> None:
     """An in-place op on ``t[2:4]`` changes ``t`` (forward) and cuts or scales the gradient
     to the overwritten entries, as in torch. torchax ran ``zero_``, ``fill_``,
-    ``masked_fill_``... by torch's decomposition on a copy of the slice and dropped the write."""
+    ``masked_fill_``... by torch's decomposition on a copy of the slice and dropped the write;
+    ``exp_``, ``neg_``, ``log_``... it did not lower at all (on a slice or a whole tensor)."""
     x = torch.linspace(0.5, 1.5, 6)
     wrong = []
-    for name, op in SLICE_OPS.items():
-        net = _SliceWrite(op)
+    for (name, op), whole in itertools.product(SLICE_OPS.items(), (False, True)):
+        if whole and name in ("lerp_", "addcmul_", "addcdiv_", "copy_", "nested_slice"):
+            continue  # (their operands are slice-shaped)
+        name += " (whole tensor)" if whole else ""
+        net = _SliceWrite(op, whole)
         want = net(x)
         want.sum().backward()
         fns = torch_model_fns(net, ("x",))

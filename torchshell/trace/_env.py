@@ -108,7 +108,7 @@ def environment(reads: Reads) -> Any:
     )
     scalar_reads(env, reads)
     # in-place ops on a slice (``bias[C:2*C].zero_()``) write through to the sliced tensor
-    env.dispatch = folded_when_concrete(written_through_views(env.dispatch))
+    env.dispatch = folded_when_concrete(written_through_views(env))
     # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
     # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
