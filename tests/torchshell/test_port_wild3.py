@@ -199,6 +199,17 @@ def test_a_head_built_in_setup_is_traced_and_trained(tmp_path: Path) -> None:
     assert runs["jax"][1].head.weight.shape == (3, 16)
 
 
+def test_a_backbone_frozen_in_on_train_start_stays_frozen(tmp_path: Path) -> None:
+    # frozen after the optimizer was mapped, before the first step: traced and mapped anew
+    # (the compiled step kept training the backbone it had traced as trainable)
+    torch.manual_seed(0)
+    before = {k: v.clone() for k, v in W.FreezesOnTrainStart().backbone.state_dict().items()}
+    runs = _pair(W.FreezesOnTrainStart, tmp_path, _table())
+    _same(runs, rtol=1e-4)
+    for name, value in runs["jax"][1].backbone.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
 def test_patterns_a_compiled_step_cannot_take_are_refused_with_the_fix(tmp_path: Path) -> None:
     cases = [
         (

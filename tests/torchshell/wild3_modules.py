@@ -585,3 +585,24 @@ class UnfreezesLater(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class FreezesOnTrainStart(L.LightningModule):
+    """The backbone frozen in ``on_train_start`` (Adam over every parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+
+    def on_train_start(self) -> None:
+        self.backbone.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.head(self.backbone(x)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)

@@ -161,6 +161,10 @@ class LightningParts(
 
         def on_train_epoch_start() -> None:
             epoch_start()  # (after the callbacks' and the user's: a freeze or unfreeze there)
+            # before the first step (a freeze in on_train_start): traced and mapped anew
+            if self.state is None and not self.manual and port.refresh() and self.tx is None:
+                self._map_key = None
+                self._map(provisional=False)
             optimizers = None if self.tx is not None else self.trainer.optimizers
             check_trainable(port.module, port.tracer, optimizers, self.current_epoch)
 
