@@ -48,7 +48,14 @@ from torchshell._torch_loss import (
     written_in_torch,
 )
 from torchshell._torch_static import specialise_batch
-from torchshell.module._batches import check_fields, host_fields_out, name_batch, rows, signature
+from torchshell.module._batches import (
+    arrays_as_tensors,
+    check_fields,
+    host_fields_out,
+    name_batch,
+    rows,
+    signature,
+)
 from torchshell.module._flax_checks import check_batch
 
 __all__ = ["Adapter", "FlaxAdapter", "Placement", "TorchAdapter"]
@@ -174,8 +181,9 @@ class Adapter:
 
     # -- per batch ------------------------------------------------------------------------
     def prepare(self, batch: Any) -> Any:
-        """The batch as the model reads it: named fields, host-only fields set aside."""
-        named = name_batch(batch, self.batch_keys)
+        """The batch as the model reads it: named fields (numpy arrays and lists of numbers as
+        tensors), host-only fields set aside."""
+        named = arrays_as_tensors(name_batch(batch, self.batch_keys))  # numpy, lists of numbers
         check_batch(self, named)  # nn.Embed ids, negative lengths, masks: refused like torch
         return host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
 
