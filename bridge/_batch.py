@@ -192,6 +192,31 @@ def _place_single(
     return out
 
 
+def _indivisible(
+    named: list[tuple[str, torch.Tensor]], shardings: list[Sharding]
+) -> TransferError | None:
+    """The error naming the first field whose size a sharded axis does not divide."""
+    for (name, t), s in zip(named, shardings, strict=True):
+        if not isinstance(s, NamedSharding):
+            continue
+        for dim, axes in enumerate(s.spec):
+            if axes is None:
+                continue
+            names = axes if isinstance(axes, tuple) else (axes,)
+            ways = int(np.prod([s.mesh.shape[a] for a in names]))
+            if t.shape[dim] % ways:
+                sizes = {n: tuple(x.shape) for n, x in named if x.dim()}
+                return TransferError(
+                    f"Field {name!r} has shape {tuple(t.shape)}: its dim {dim} is split over "
+                    f"the mesh axis {axes!r} ({ways} devices), which does not divide "
+                    f"{t.shape[dim]}. Every field with a dimension is split by rows like the "
+                    f"others (the batch's fields: {sizes}). Fix: give the field one row per "
+                    "example in the collate (e.g. `w.expand(B, *w.shape)`), or make a per-batch "
+                    "value 0-d, or keep a constant in the model instead of the batch."
+                )
+    return None
+
+
 def _is_host_device(sharding: Sharding, tree: PyTree) -> bool:
     """The sharding is the one device host tensors land on (``cpu:0``, one process)."""
     devices = sharding.device_set
@@ -215,7 +240,10 @@ def _place_sharded(
     local = [as_numpy(t) if t.is_cpu else jax.dlpack.from_dlpack(t) for _, t in named]
     # One batched call: device_put with one process; with several, each process's rows are
     # assembled into one global array.
-    out: list[jax.Array] = jax.make_array_from_process_local_data(shardings, local)
+    try:
+        out: list[jax.Array] = jax.make_array_from_process_local_data(shardings, local)
+    except ValueError as err:  # (a field a sharded axis does not divide: named below)
+        raise _indivisible(named, shardings) or err from err
     for (name, t), s, x in zip(named, shardings, out, strict=True):
         own = name not in copied_names
         if not t.is_cpu:

@@ -128,3 +128,27 @@ def test_only_numeric_arrays_and_number_lists_become_tensors() -> None:
     assert out["id"] == ["a", "b"] and out["ragged"] == [[1], [2, 3]]
     assert out["classes"] == [0, 1, 2] and out["epoch"] == 3 and out["scale"] == 0.5
     assert out["names"] is batch["names"] and out["t"] is batch["t"]
+
+
+def test_a_field_without_the_batchs_rows_is_named_not_a_raw_sharding_error(
+    tmp_path: Path,
+) -> None:
+    """Before: ``jax._src.sharding.IndivisibleError: Sharding NamedSharding(...) implies that
+    array axis 0 is partitioned 8 times, but the dimension size is 3`` from inside JAX, for a
+    collate adding per-class weights ``[3]`` to every batch. Now the bridge's own error names
+    the field, the batch's shapes and the fix."""
+    from bridge import TransferError
+
+    def with_weights(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+        return {"x": x, "y": y, "class_weights": torch.ones(3)}
+
+    jm = JaxModule(MLP(features=(16,), num_classes=3), jaxcore.softmax_cross_entropy,
+                   optax.sgd(0.1), print_summary=False)  # fmt: skip
+    with pytest.raises(
+        TransferError,
+        match=r"Field 'class_weights' has shape \(3,\): its dim 0 is split over the mesh axis "
+        r"'data' \(8 devices\), which does not divide 3.*'x': \(8, 20\).*Fix: give the field "
+        r"one row per example",
+    ):
+        _fit(jm, DataLoader(ROWS, batch_size=8, collate_fn=with_weights), tmp_path, max_steps=2)
