@@ -36,8 +36,11 @@ def _inputs(batch: Mapping[str, Any], keys: Sequence[str]) -> list[Any]:
 
 
 def _concrete(v: Any) -> Any:
-    """A concrete JAX array of a batch value (a copy of a torch tensor, range-checked)."""
-    return bridge.as_jax(v) if isinstance(v, torch.Tensor) else jax.numpy.asarray(v)
+    """Concrete JAX arrays of a batch value, leaf by leaf (a nested dict of inputs too): a
+    copy of each torch tensor, range-checked."""
+    return jax.tree.map(
+        lambda t: bridge.as_jax(t) if isinstance(t, torch.Tensor) else jax.numpy.asarray(t), v
+    )
 
 
 STATIC_KEY = "~torchshell.static"  # sorts after every plain field name

@@ -127,7 +127,7 @@ class EvaluationPart(_Shared):
                 self.model_fns,
                 self.loss_fn,
                 state_sharding=jaxcore.state_shardings(state),
-                batch_sharding=self.placement.batch,
+                batch_sharding=None,  # the arrays' own (placed leaf by leaf by the bridge)
                 compute_dtype=self._compute_dtype,
                 input_checks=True,
             )

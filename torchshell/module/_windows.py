@@ -201,7 +201,7 @@ class Windows:
         padded = [b if rows(b) == n else bridge.pad_batch(b, n) for b in batches]
         if any("mask" in b for b in padded):
             padded = [bridge.pad_batch(b, n) for b in padded]
-        stacked = {name: torch.stack([b[name] for b in padded]) for name in padded[0]}
+        stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)  # (nested, host-only)
         jbatch = bridge.to_jax(stacked, placement.window, stats=placement.stats)
         if "mask" not in jbatch:
             jbatch["mask"] = placement.window_mask(k, n)
