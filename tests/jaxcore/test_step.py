@@ -241,8 +241,8 @@ class _Tok(fnn.Module):
         return fnn.Dense(3)(fnn.Embed(30, 4)(ids + self.shift if self.shift else ids).mean(1))
 
 
-def _tok_step(policy, shift=0, **kw):
-    model = jaxcore.linen_model(_Tok(shift), inputs=("ids",))
+def _tok_step(policy, shift=0, model=None, **kw):
+    model = model or jaxcore.linen_model(_Tok(shift), inputs=("ids",))
     tx = jaxcore.make_optimizer(lr=0.1)
     good = {"ids": jnp.ones((16, 5), jnp.int32), "y": jnp.zeros(16, jnp.int32)}
     st = jaxcore.init_train_state(model, tx, good, seed=0, mesh=_mesh())
@@ -291,16 +291,7 @@ def test_an_nnx_embed_index_past_the_table_refuses_the_step_inside_it():
             return self.head(self.embed(ids).mean(1))
 
     model = jaxcore.nnx_model(Tok(nnx.Rngs(0)), inputs=("ids",))
-    tx = jaxcore.make_optimizer(lr=0.1)
-    good = {"ids": jnp.ones((16, 5), jnp.int32), "y": jnp.zeros(16, jnp.int32)}
-    st = jaxcore.init_train_state(model, tx, good, seed=0, mesh=_mesh())
-    step = jaxcore.make_train_step(
-        model,
-        jaxcore.softmax_cross_entropy,
-        tx,
-        state_sharding=jaxcore.state_shardings(st),
-        nan_policy="stop",
-    )
+    st, step, good = _tok_step("stop", model=model)
     refused, metrics = step(st, {**good, "ids": good["ids"].at[3, 1].set(49)})
     assert float(metrics["nonfinite"]) == 1.0
     assert all(np.isfinite(v).all() for v in jax.tree.leaves(refused.params))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.torchshell import wild3_modules as W
+from tests.torchshell.test_port import Recorder
 from torchshell import JaxModule
 from torchshell._errors import ConfigError, TorchModelError
 
@@ -26,7 +27,7 @@ def _trainer(root: Path, **kwargs: Any) -> L.Trainer:
         accelerator="cpu",
         devices=1,
         max_epochs=2,
-        logger=W.Recorder(),
+        logger=Recorder(),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -12,35 +12,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
-
-
-class Recorder(Logger):
-    """A real Lightning logger that keeps every logged row in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((int(step or 0), dict(metrics)))
-
-    def series(self, name: str) -> list[float]:
-        return [m[name] for _, m in self.rows if name in m]
-
 
 # -- data ---------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from torchshell.checkpoint import _files as files
+import torchshell.checkpoint._files as files
 
 # One asynchronous save at a time per checkpoint directory in this process, whichever
 # OrbaxCheckpointIO started it: readers and the next writer of that directory wait for it.

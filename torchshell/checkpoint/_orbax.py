@@ -16,9 +16,9 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import bridge
+import torchshell.checkpoint._files as files
+import torchshell.checkpoint._packed_state as packed
 from torchshell._errors import CheckpointError
-from torchshell.checkpoint import _files as files
-from torchshell.checkpoint import _packed_state as packed
 from torchshell.checkpoint._async import Pending, device_copy, join_in_flight
 from torchshell.distributed import barrier, is_main
 

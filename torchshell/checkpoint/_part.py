@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 import jaxcore
+import torchshell.checkpoint._state_io as _state_io
 from torchshell._errors import ConfigError
-from torchshell.checkpoint import _state_io
 from torchshell.checkpoint._orbax import restore_state
 from torchshell.module._parts import _Shared
 

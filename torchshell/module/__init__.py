@@ -6,7 +6,8 @@
 - the parts ``JaxModule`` is still built from: the train step and its log
   (:mod:`._train_parts`, :mod:`._train_log`), K steps per call (:mod:`._windows`), the Trainer
   flags (:mod:`._flags`, :mod:`._clip`, :mod:`._parts`), evaluation (:mod:`._evaluation`);
-- batches as the user's DataLoader yields them (:mod:`._batches`, :mod:`._flax_checks`).
+- batches as the user's DataLoader yields them (:mod:`._batches`, :mod:`._arrays` for numpy
+  and number-list fields, :mod:`._flax_checks`).
 """
 
 from torchshell.module._jax_module import JaxModule, LightningJaxModule

@@ -48,8 +48,8 @@ from torchshell._torch_loss import (
     written_in_torch,
 )
 from torchshell._torch_static import specialise_batch
+from torchshell.module._arrays import arrays_as_tensors
 from torchshell.module._batches import (
-    arrays_as_tensors,
     check_fields,
     host_fields_out,
     name_batch,
@@ -184,7 +184,7 @@ class Adapter:
         """The batch as the model reads it: named fields (numpy arrays and lists of numbers as
         tensors), host-only fields set aside."""
         named = arrays_as_tensors(name_batch(batch, self.batch_keys))  # numpy, lists of numbers
-        check_batch(self, named)  # nn.Embed ids, negative lengths, masks: refused like torch
+        check_batch(self, named)  # negative lengths, misfit masks: refused like torch
         return host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
 
     def global_rows(self, batch: Any) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torchmetrics import Metric
 
-from torchshell._errors import ConfigError
+from torchshell._errors import ConfigError, TorchModelError
 from torchshell.port._logs import (
     _METRIC_HOOKS,
     _METRIC_METHODS,
@@ -43,7 +43,26 @@ class LogCapture:
     """Records a hook's logs and metric calls while it is traced (see the module docstring)."""
 
     module: L.LightningModule
+    tracer: Any  # the port's TorchTracer (its reads: traced values used as Python bools)
     _warned: set[tuple[str, str]]
+
+    def _returned_none(self) -> TorchModelError:
+        """``training_step`` returned None: Lightning skips that batch; a compiled step cannot
+        (on a traced branch, ``lax.cond`` would get a loss on one path and None on the other)."""
+        name = type(self.module).__name__
+        where = (
+            " on a path chosen by a traced value (e.g. `if not torch.isfinite(loss): return None`)"
+            if self.tracer.reads.d
+            else ""
+        )
+        return TorchModelError(
+            f"{name}.training_step returned None{where}: plain Lightning skips that batch's "
+            "optimizer step, which one compiled JAX step cannot decide per batch. Expected "
+            "the loss (a scalar tensor, or a dict with 'loss') on every path. Fix: return the "
+            "loss; to skip steps whose loss or gradients are not finite, pass "
+            "nan_policy='skip' to JaxModule.from_lightning(...) (the update is not applied, "
+            "counted in coreshell/train/nonfinite_steps)."
+        )
 
     @contextlib.contextmanager
     def _capture(

@@ -203,24 +203,6 @@ class LightningPort(LogCapture):
 
         return fn
 
-    def _returned_none(self) -> TorchModelError:
-        """``training_step`` returned None: Lightning skips that batch; a compiled step cannot
-        (on a traced branch, ``lax.cond`` would get a loss on one path and None on the other)."""
-        name = type(self.module).__name__
-        where = (
-            " on a path chosen by a traced value (e.g. `if not torch.isfinite(loss): return None`)"
-            if self.tracer.reads.d
-            else ""
-        )
-        return TorchModelError(
-            f"{name}.training_step returned None{where}: plain Lightning skips that batch's "
-            "optimizer step, which one compiled JAX step cannot decide per batch. Expected "
-            "the loss (a scalar tensor, or a dict with 'loss') on every path. Fix: return the "
-            "loss; to skip steps whose loss or gradients are not finite, pass "
-            "nan_policy='skip' to JaxModule.from_lightning(...) (the update is not applied, "
-            "counted in coreshell/train/nonfinite_steps)."
-        )
-
     def _manual_call(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         """``training_step`` under manual optimization: ``(its return, the run's results)``."""
         from torchshell.port._manual import ManualRun
