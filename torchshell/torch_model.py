@@ -40,10 +40,10 @@ import bridge
 from jaxcore import ModelFns
 from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
-from torchshell._hf import no_kv_cache
-from torchshell._torch_errors import is_lowering_error, is_raw, lowering_error
-from torchshell._torch_export import params_to_state_dict
-from torchshell._torch_static import STATIC_KEY, StaticSpec, _concrete, _inputs, specialise_batch
+from torchshell.trace._hf import no_kv_cache
+from torchshell.trace._messages import is_lowering_error, is_raw, lowering_error
+from torchshell.trace._state_dict import params_to_state_dict
+from torchshell.trace._static import STATIC_KEY, StaticSpec, _concrete, _inputs, specialise_batch
 
 PyTree = Any
 Batch = Mapping[str, Any]

@@ -155,7 +155,7 @@ class HFSpeechToText(L.LightningModule):
 def test_a_transformers_ctc_model_trains_as_plain_lightning(tmp_path: Path) -> None:
     """Before: ``needs a tensor's value in Python`` at transformers' ``ForCTCLoss``
     (``labels.masked_select(mask)``, a shape that depends on values), and torchax could not
-    lower ``aten::_ctc_loss``. Now the same loss runs on padded labels (torchshell/_ctc.py):
+    lower ``aten::_ctc_loss``. Now the same loss runs on padded labels (torchshell/trace/_ctc.py):
     per-step losses, the validation loss and the weights equal plain Lightning's."""
     from torch.utils.data import TensorDataset
 

@@ -162,8 +162,8 @@ def test_a_lightning_eval_hook_reports_ids_past_the_table_with_its_logs() -> Non
     """An evaluation hook's indices are checked in its compiled step too: ``[code, value]``
     comes back with the logs it already hands to the host (EVAL_CHECK_KEY)."""
     from jaxcore.guard import raise_failed
-    from torchshell._embedding import EVAL_CHECK_KEY
     from torchshell.port._trace import LightningPort
+    from torchshell.trace._embedding import EVAL_CHECK_KEY
 
     port = LightningPort(_EvalBag())
 

@@ -433,7 +433,7 @@ def test_boolean_indexing_by_a_traced_mask_is_reported_with_the_fix():
         torch_model_fns(Positive()).init(jax.random.key(0), {"x": jnp.ones((2, 4))})
 
 
-# -- packed sequences run as masks (torchshell/_packed.py) ---------------------------------
+# -- packed sequences run as masks (torchshell/trace/_packed.py) ---------------------------------
 class _PackedRNN(L.LightningModule):
     """A team's RNN classifier over padded token batches with their lengths, packed."""
 
@@ -530,7 +530,7 @@ def _concatenate_labels(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Ten
 def test_ctc_loss_trains_as_plain_lightning(tmp_path: Path, kind: str) -> None:
     """Before: ``torchax cannot lower the op aten::_ctc_loss.Tensor`` (F.ctc_loss,
     nn.CTCLoss: the loss of wav2vec2/conformer speech heads). Now the CTC recursion runs in
-    the step (torchshell/_ctc.py): per-step losses and the weights after 2 epochs equal plain
+    the step (torchshell/trace/_ctc.py): per-step losses and the weights after 2 epochs equal plain
     Lightning's, with padded targets and with torch's concatenated ones, repeated labels,
     empty targets, (zero_infinity) an input too short for its labels, and lengths given as a
     Python list."""

@@ -3,7 +3,7 @@
 - **Flax ``nn.Embed`` indices** are not checked here: torch raises ``IndexError`` for an id
   past the table, and every train step checks each ``nn.Embed``'s ids inside the compiled
   step (``flax.linen.intercept_methods``, :func:`jaxcore.guard.checking`), like the traced
-  ``nn.Embedding`` (:mod:`torchshell._embedding`).
+  ``nn.Embedding`` (:mod:`torchshell.trace._embedding`).
 - **Lengths and masks**: an integer ``length``/``lengths``/``*_lengths``/``*_len`` field
   holding a negative value (torch's ``pack_padded_sequence`` refuses it; a mask built from
   it in a jitted step is silently empty), a row ``mask`` that is not ``[B]``, or a

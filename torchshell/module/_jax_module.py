@@ -210,7 +210,7 @@ class JaxModule(
             module: the team's ``nn.Module``.
             loss_fn: a torch loss (``nn.CrossEntropyLoss()``, ``F.mse_loss``: run by torchax
                 in the step, its ``reduction="mean"`` reproduced exactly over the real rows;
-                see :mod:`torchshell._torch_loss`) or a JAX ``loss_fn(outputs, batch)``.
+                see :mod:`torchshell.trace._loss`) or a JAX ``loss_fn(outputs, batch)``.
             optimizer: a ``torch.optim`` optimizer over ``module.parameters()`` (SGD, Adam,
                 AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam with torch's update math and
                 param groups) or an optax transform.

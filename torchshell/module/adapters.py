@@ -41,13 +41,6 @@ from jax.sharding import Mesh
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell._torch_loss import (
-    is_torch_loss,
-    torch_function_loss,
-    torch_loss_fn,
-    written_in_torch,
-)
-from torchshell._torch_static import specialise_batch
 from torchshell.module._arrays import arrays_as_tensors
 from torchshell.module._batches import (
     check_fields,
@@ -57,6 +50,13 @@ from torchshell.module._batches import (
     signature,
 )
 from torchshell.module._flax_checks import check_batch
+from torchshell.trace._loss import (
+    is_torch_loss,
+    torch_function_loss,
+    torch_loss_fn,
+    written_in_torch,
+)
+from torchshell.trace._static import specialise_batch
 
 __all__ = ["Adapter", "FlaxAdapter", "Placement", "TorchAdapter"]
 

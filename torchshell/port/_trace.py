@@ -25,9 +25,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from jaxcore import TOTAL, ModelFns
 from jaxcore.guard import checking
 from torchshell import trace as patterns
-from torchshell._embedding import EVAL_CHECK_KEY, EmbeddingChecks
 from torchshell._errors import ConfigError, TorchModelError
-from torchshell._torch_static import STATIC_KEY, check_static_reads
 from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._capture import LogCapture
 from torchshell.port._logs import (
@@ -46,6 +44,8 @@ from torchshell.port._logs import (
 )
 from torchshell.port._prepare import layers_changed, prepare_module
 from torchshell.torch_model import TorchTracer
+from torchshell.trace._embedding import EVAL_CHECK_KEY, EmbeddingChecks
+from torchshell.trace._static import STATIC_KEY, check_static_reads
 
 __all__ = ["LightningPort"]
 

@@ -24,7 +24,6 @@ import jaxcore
 from jaxcore import MICRO, TOTAL
 from jaxcore.guard import NO_CHECK, raise_failed
 from jaxcore.precision import cast_floating, resolve_dtype
-from torchshell._embedding import EVAL_CHECK_KEY
 from torchshell._errors import ConfigError
 from torchshell.module._batches import host_fields_back, host_fields_out
 from torchshell.module._train_log import OWN
@@ -40,6 +39,7 @@ from torchshell.port._logs import (
     host_tensors,
     torch_ints,
 )
+from torchshell.trace._embedding import EVAL_CHECK_KEY
 
 __all__ = ["UserEvaluation", "UserMetrics"]
 

@@ -13,12 +13,12 @@ torchax alone stops there. The environment here traces four such patterns instea
 - **a traced value used as a Python bool** (layer drop: ``torch.rand(1).item() <= p``)
   becomes a ``lax.cond`` on that value (:func:`explore`);
 - **a scalar read from the batch** (``int(lengths.max().item())``) is *specialised*
-  (:class:`Reads`, :mod:`torchshell._torch_static`).
+  (:class:`Reads`, :mod:`._static`).
 
 Ops torchax lacks or gets wrong are lowered here too (:mod:`._lowerings`, :mod:`._kinks` for
 torch's gradient of ``clamp``/``hardtanh``/``relu6``/``abs``... on a bound, :mod:`._norms` for
 its gradient of norms, distances and ``std`` at a zero vector (0, not NaN), :mod:`._rnnt` for
-torchaudio's RNN-T loss, :mod:`torchshell._ctc` for the CTC loss, and :mod:`._attention`:
+torchaudio's RNN-T loss, :mod:`._ctc` for the CTC loss, and :mod:`._attention`:
 ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` as one fused
 ``jax.nn.dot_product_attention`` call), and an in-place op on a slice writes through to the
 sliced tensor (:mod:`._inplace`: ``bias[C:2*C].zero_()``).

@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
-from torchshell._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell._errors import TorchModelError
-from torchshell._hf import uncached
-from torchshell._packed import packed_as_masks
 from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._conv import conv_lowerings
+from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell.trace._fold import folded_when_concrete
+from torchshell.trace._hf import uncached
 from torchshell.trace._inplace import written_through_views
 from torchshell.trace._kinks import kink_lowerings
 from torchshell.trace._lowerings import (
@@ -31,6 +30,7 @@ from torchshell.trace._lowerings import (
     window,
 )
 from torchshell.trace._norms import norm_lowerings
+from torchshell.trace._packed import packed_as_masks
 from torchshell.trace._reads import Reads, scalar_reads
 from torchshell.trace._rnnt import rnnt_loss_forward
 

@@ -50,7 +50,7 @@ def failing_op(err: BaseException) -> str | None:
 def lowering_site(err: BaseException) -> tuple[str, str, str] | None:
     """Where a value read in Python failed *inside* an op's torchax lowering, not in the
     user's code: ``(op, the lowering's line, which arguments are traced)``, else ``None``."""
-    from torchshell.trace import traced
+    from torchshell.trace._paths import traced
 
     found = None
     tb: types.TracebackType | None = err.__traceback__

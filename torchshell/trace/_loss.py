@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.trace import check_class_target
+from torchshell.trace._env import check_class_target
 
 __all__ = [
     "is_torch_loss",

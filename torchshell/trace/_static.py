@@ -23,9 +23,9 @@ import torch
 import bridge
 from jaxcore import ModelFns
 from jaxcore.model import _inputs as jaxcore_inputs
-from torchshell import trace as patterns
-from torchshell._embedding import EmbeddingChecks
 from torchshell._errors import TorchModelError
+from torchshell.trace._embedding import EmbeddingChecks
+from torchshell.trace._paths import decode, encode
 
 Batch = Mapping[str, Any]
 
@@ -95,7 +95,7 @@ class StaticSpec:
         if STATIC_KEY not in batch or not self.needed(train):
             return None
         dims = batch[STATIC_KEY].shape[2:]
-        values = patterns.decode(dims)
+        values = decode(dims)
         if len(values) != len(self.used[train]):
             return None  # made for the other mode: the read will say what is missing
         return {
@@ -167,7 +167,7 @@ def _bucket(v: int, buckets: Sequence[int]) -> int:
 def _key(batch: Batch, values: Sequence[int]) -> Any:
     """An empty int8 array ``[rows, 0, *values]``, placed like the batch's first array."""
     first = next(v for v in batch.values() if hasattr(v, "shape"))
-    shape = (first.shape[0], 0, *patterns.encode([int(v) for v in values]))
+    shape = (first.shape[0], 0, *encode([int(v) for v in values]))
     if isinstance(first, jax.Array) and not isinstance(first, jax.core.Tracer):
         return jax.device_put(np.zeros(shape, np.int8), first.sharding)
     if isinstance(first, torch.Tensor):
