@@ -18,6 +18,7 @@ per seed and step, and the same on any mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,14 @@ from jaxcore._errors import BatchError
 from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows
 from jaxcore.compile import Step, check_positive
 from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
-from jaxcore.guard import check_policy, checked, finite_ok, guarded, input_where
+from jaxcore.guard import (
+    check_policy,
+    checked,
+    finite_ok,
+    guarded,
+    input_where,
+    window_input_where,
+)
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.state import TrainState
@@ -154,7 +162,9 @@ def train_step(
     """
     policy = check_policy(nan_policy)
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def step(
+        state: TrainState, batch: Batch, found: jax.Array | None = None
+    ) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.rng, state.step)
         g = grad_fn(state.params, state.model_state, batch, key)
         grads, metrics = _means(g)
@@ -177,7 +187,8 @@ def train_step(
             )
             return new, metrics
         ok = finite_ok(metrics["loss"], grads, state, policy)
-        found = input_where(input_rows(batch)) if policy == "stop" else None
+        if policy == "stop" and found is None:  # (k_steps hands it in, found per window)
+            found = input_where(input_rows(batch))
         if g.check is not None:  # an input check (embedding index range) failed: refused
             failed = checked(g.check)
             found = failed if found is None else jnp.where(found[0] >= 0, found, failed)
@@ -188,9 +199,15 @@ def train_step(
     return step
 
 
-def k_steps(step: StepFn, k: int) -> StepFn:
+def k_steps(
+    step: StepFn, k: int, *, input_check: Callable[[Batch], jax.Array] | None = None
+) -> StepFn:
     """``step`` run over K stacked batches (every field ``[K, B, ...]``) in one ``lax.scan``;
     the metrics gain a leading K axis.
+
+    ``input_check`` (``nan_policy="stop"``: :func:`jaxcore.guard.window_input_where`) checks
+    the K batches' inputs at once, before the loop; ``step`` then takes each batch's result
+    as a third argument instead of checking inside the loop.
 
     Example:
         >>> import jax.numpy as jnp
@@ -211,7 +228,10 @@ def k_steps(step: StepFn, k: int) -> StepFn:
                 f"steps_per_call={k} needs every batch field stacked as [{k}, B, ...], got "
                 f"leading sizes {leading}. Fix: stack {k} batches (e.g. np.stack) per call."
             )
-        return jax.lax.scan(step, state, batches)
+        if input_check is None:
+            return jax.lax.scan(step, state, batches)
+        found = input_check(batches)
+        return jax.lax.scan(lambda st, xs: step(st, *xs), state, (batches, found))
 
     return multi_step
 
@@ -315,22 +335,22 @@ def make_train_step(
         [grads_fn] if grads_fn is not None else []
     )
 
+    def input_rows(batch: Batch) -> Batch:
+        return _flat_rows(batch, stacked_micro, unrolled_micro)
+
     def compose(grad_fn: GradFn) -> StepFn:
-        return train_step(
-            grad_fn,
-            tx,
-            hooks=hooks,
-            nan_policy=nan_policy,
-            input_rows=lambda b: _flat_rows(b, stacked_micro, unrolled_micro),
-        )
+        return train_step(grad_fn, tx, hooks=hooks, nan_policy=nan_policy, input_rows=input_rows)
 
     one_step = compose(grad_fn)
+    window_check = None
+    if k > 1 and check_policy(nan_policy) == "stop":  # the window's inputs checked at once
+        window_check = functools.partial(window_input_where, k=k, rows=input_rows)
     # only a looping step needs the loop-free twin traced for its cost (a second trace and
     # lowering: a third of a warm start's time to the first step, measured)
     looping = (k > 1 or m > 1) and not unrolled_micro
     flat = compose(accumulate(base, 1, stacked=stacked_micro)) if looping else None
     return Step(
-        one_step if k == 1 else k_steps(one_step, k),
+        one_step if k == 1 else k_steps(one_step, k, input_check=window_check),
         name="train_step",
         steps_per_call=k,
         cost_fn=flat,

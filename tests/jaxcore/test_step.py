@@ -115,6 +115,26 @@ def test_nan_guard_stop_keeps_the_last_good_state(init16):
     assert "learning rate)" in str(err.value) and "Fix:" in str(err.value)
 
 
+def test_a_k_step_window_checks_its_inputs_as_k_single_steps_do(init16):
+    # the window's inputs are checked once, before its loop (guard.window_input_where): the
+    # refused step, the kept state and the named rows equal K single guarded steps'
+    model, batch = mlp_case(rows=16)
+    stacked = {n: np.stack([v, v, v]) for n, v in batch.items()}
+    stacked["x"][2, 7, 1] = np.inf
+    stacked["x"][2, 9, 0] = np.nan
+    state_k, step_k, sharding_k = setup(
+        model, stacked, _mesh(), steps_per_call=3, nan_policy="stop", state=init16
+    )
+    state_k, metrics = step_k(state_k, put(stacked, sharding_k))
+    state_1, step_1, sharding_1 = setup(model, batch, _mesh(), nan_policy="stop", state=init16)
+    for i in range(3):
+        state_1, _ = step_1(state_1, put({n: v[i] for n, v in stacked.items()}, sharding_1))
+    np.testing.assert_array_equal(jax.device_get(metrics["nonfinite"]), [0.0, 0.0, 1.0])
+    assert state_k.nonfinite_input.tolist() == state_1.nonfinite_input.tolist()
+    assert state_k.nonfinite_input.tolist()[:4] == [0, 16, 7, 9]
+    _close(jax.device_get(state_k.params), jax.device_get(state_1.params), rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_the_input_check_sees_nan_in_every_float_dtype_and_passes_large_finite_values(dtype):
     from jaxcore.guard import NO_INPUT, input_where
