@@ -21,6 +21,7 @@ from jaxcore import ModelFns, TrainState
 from torchshell._errors import ConfigError
 from torchshell.checkpoint import _state_io, restore_state
 from torchshell.checkpoint._part import CheckpointPart
+from torchshell.module._accumulation import Accumulation
 from torchshell.module._batches import float_fields, positional_keys
 from torchshell.module._evaluation import Evaluation, EvaluationPart
 from torchshell.module._flags import TrainerFlags
@@ -180,8 +181,7 @@ class JaxModule(
         self._train_forward: jaxcore.Step | None = None  # see _outputs_ahead
         self._restore_dir: Path | None = None
         self._restore_tensors: dict[str, torch.Tensor] | None = None
-        self._window: list[Any] = []  # batches of the current accumulation window
-        self._micro_rows: list[int] = []  # the rows of each batch of the last window
+        self.accumulation = Accumulation()  # Trainer(accumulate_grad_batches=m)'s window
         self._float_fields: list[str] | None = None  # names the input NaN/Inf came in
         self._quiet: contextlib.ExitStack | None = None
         self.train_log = TrainLog(self._emit)
@@ -307,7 +307,7 @@ class JaxModule(
                     f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
                     "keep accumulate_grad_batches and set the other two to 1."
                 )
-            ahead = self._outputs_ahead(batch, len(self._window), raw)
+            ahead = self._outputs_ahead(batch, len(self.accumulation.batches), raw)
             window = self._window_batch(batch)
             if window is None:
                 self.train_log.compute += time.perf_counter() - t0

@@ -72,8 +72,7 @@ class _Shared(L.LightningModule):
     _restore_tensors: dict[str, torch.Tensor] | None
     _synced: Any  # the state whose weights torch_module holds
     _quiet: contextlib.ExitStack | None
-    _window: list[Any]  # batches of the current accumulation window
-    _micro_rows: list[int]
+    accumulation: Any  # torchshell.module._accumulation.Accumulation
     _weigh_rows: bool
     _float_fields: list[str] | None
     _stats_due: bool

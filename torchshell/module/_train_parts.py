@@ -65,17 +65,16 @@ class StepPart(_Shared):
 
     def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
         """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
-        self._window.append(batch)
         m = self.flags.accumulate
         last = self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if len(self._window) < m and not last:
+        window = self.accumulation.take(batch, m, last, self.adapter.global_rows)
+        if window is None:
             return None
-        window, self._window = self._window, []
-        rows_ = self._micro_rows = [self.adapter.global_rows(b) for b in window]
-        return self.adapter.stack(window, m), window[0], rows_[0], len(window)
+        rows_ = self.accumulation.micro_rows[0]
+        return self.adapter.stack(window, m), window[0], rows_, len(window)
 
     def on_train_epoch_end(self) -> None:
-        self._window = []  # (a window never spans epochs: the last batch closes it)
+        self.accumulation.clear()  # (a window never spans epochs: the last batch closes it)
 
     @property
     def window_k(self) -> int | None:

@@ -72,7 +72,7 @@ class UserMetrics:
     _epoch: Any
     _last_metrics: dict[str, jax.Array]
     log: Any
-    _micro_rows: list[int]
+    accumulation: Any  # (its micro_rows: each batch's rows of the last window)
     flags: Any
 
     def _train_specs(self) -> dict[str, LogSpec]:
@@ -143,12 +143,12 @@ class UserMetrics:
             size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
             if each is None:
                 v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:]
-                window = self.flags.accumulate > 1  # (_micro_rows: the last window's rows)
-                rows = self._micro_rows[-1:] if name in once and window else [rows_]
+                window = self.flags.accumulate > 1
+                rows = self.accumulation.micro_rows[-1:] if name in once and window else [rows_]
                 given = metrics.get(size)
                 given = None if given is None else jnp.reshape(given, (-1,))[-1:]
             else:
-                v, rows, given = each, self._micro_rows, metrics.get(f"{MICRO}{size}")
+                v, rows, given = each, self.accumulation.micro_rows, metrics.get(f"{MICRO}{size}")
             weight = given if given is not None else jnp.asarray(rows, jnp.float32)
             if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
                 weight = jnp.ones(v.shape, jnp.float32)
