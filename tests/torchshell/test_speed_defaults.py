@@ -240,5 +240,46 @@ def test_a_fit_on_a_plain_tensor_dataset_trains_as_the_loader_reads_it() -> None
     assert all("_get_iterator" not in vars(loader) for loader in loaders)
     loader = loaders[0]
 
-    custom = DataLoader(loader.dataset, batch_size=16, collate_fn=lambda rows: rows)
-    assert not gathered_reads.gatherable(custom)
+    workers = DataLoader(loader.dataset, batch_size=16, num_workers=1)
+    assert not gathered_reads.gatherable(workers)
+
+
+def _as_dict(rows: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
+    """A team's own collate: named fields, one of them transformed, plus a plain list."""
+    x, y, z, flag = (torch.stack(column) for column in zip(*rows, strict=True))
+    return {"x": x * 2, "y": y, "z": z, "flag": flag, "ids": [int(r[1]) for r in rows]}
+
+
+@pytest.mark.parametrize("collate", [_as_dict, lambda rows: rows], ids=["dict", "rows"])
+def test_a_loaders_own_collate_gets_the_rows_torch_would_give_it(collate: Any) -> None:
+    """A TensorDataset loader with its own collate_fn (the dict-collate form users bring) is
+    read by gathers too: the collate receives rows equal to ``dataset[i]``'s (a list of
+    tuples: values, dtypes, shapes, strides), in the sampler's order."""
+    from torchshell.data._gathered import gatherable, read_by_gathers, read_normally
+
+    plain = list(_shuffled(5, collate_fn=collate))
+    loader = _shuffled(5, collate_fn=collate)
+    assert gatherable(loader)
+    read_by_gathers(loader)
+    gathered = list(loader)
+    read_normally(loader)
+    assert len(gathered) == len(plain) == 7
+
+    def check(a: Any, b: Any) -> None:
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+            assert torch.equal(a, b)
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for k in a:
+                check(a[k], b[k])
+        elif isinstance(a, list | tuple):
+            assert len(a) == len(b)
+            for u, v in zip(a, b, strict=True):
+                check(u, v)
+        else:
+            assert a == b
+
+    for a, b in zip(plain, gathered, strict=True):
+        check(a, b)

@@ -4,12 +4,18 @@
 calling ``dataset[i]`` 64 times and stacking the rows (``default_collate``): ~200 µs a batch
 here, a third of a small model's step. Indexing each tensor once with the batch's indices,
 ``[x[idx], y[idx]]``, gives the same list of tensors (values, dtypes, shapes, layout) in
-~40 µs. While a ``JaxModule`` runs (fit, validate, test, predict), its loaders that are
-exactly that (a ``TensorDataset``, the default collate, no workers) read batches this way
-(undone in the module's ``teardown``): the loader's own
-iterator still draws the indices (sampler, shuffle seed, ``drop_last``, pinning unchanged),
-only the fetch of the rows is replaced. Anything else (a ``Dataset`` subclass, a custom
-``collate_fn``, workers) is read as it is.
+~40 µs. While a ``JaxModule`` runs (fit, validate, test, predict), its loaders that read a
+``TensorDataset`` in batches in this process (no workers) read them this way (undone in the
+module's ``teardown``): the loader's own iterator still draws the indices (sampler, shuffle
+seed, ``drop_last``, pinning unchanged), only the fetch of the rows is replaced.
+
+A loader with its own ``collate_fn`` (``lambda rows: {"x": ..., "y": ...}``) still gets
+its rows: one gather per tensor, then the gathered tensors' rows (``unbind``: views, no
+copy) as the tuples ``dataset[i]`` returns, handed to the collate as a list, as torch does.
+The rows hold the same values, dtypes, shapes and strides; they view the gathered batch
+rather than the dataset's tensors, so a collate that writes into its rows in place no
+longer changes the dataset. Anything else (a ``Dataset`` subclass, workers) is read as it
+is.
 """
 
 from __future__ import annotations
@@ -22,14 +28,19 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 
 class _Gather:
-    """Stands in for torch's map-style fetcher: ``fetch(indices)`` gathers each tensor."""
+    """Stands in for torch's map-style fetcher: ``fetch(indices)`` gathers each tensor
+    (and hands a loader's own ``collate_fn`` the gathered rows)."""
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, tensors: tuple[torch.Tensor, ...], collate: Any = default_collate):
         self.tensors = tensors
+        self.collate = collate
 
-    def fetch(self, index: Any) -> list[torch.Tensor]:
+    def fetch(self, index: Any) -> Any:
         rows = np.asarray(index, dtype=np.int64)
-        return [_take(t, rows) for t in self.tensors]
+        gathered = [_take(t, rows) for t in self.tensors]
+        if self.collate is default_collate:
+            return gathered  # (what default_collate makes of the rows' tuples)
+        return self.collate(list(zip(*(g.unbind(0) for g in gathered), strict=True)))
 
 
 def _take(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
@@ -45,7 +56,7 @@ def _take(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
 
 def _gathering_iterator(loader: DataLoader) -> Any:
     it = DataLoader._get_iterator(loader)  # the loader's own: indices, seed, pinning
-    it._dataset_fetcher = _Gather(loader.dataset.tensors)  # type: ignore[attr-defined]
+    it._dataset_fetcher = _Gather(loader.dataset.tensors, loader.collate_fn)  # type: ignore[attr-defined]
     return it
 
 
@@ -55,15 +66,15 @@ def gatherable(loader: Any) -> bool:
     Example:
         >>> data = TensorDataset(torch.arange(6.0), torch.arange(6))
         >>> own = DataLoader(data, batch_size=2, collate_fn=lambda rows: rows)
-        >>> gatherable(DataLoader(data, batch_size=2)), gatherable(own)
-        (True, False)
+        >>> workers = DataLoader(data, batch_size=2, num_workers=1)
+        >>> gatherable(DataLoader(data, batch_size=2)), gatherable(own), gatherable(workers)
+        (True, True, False)
     """
     return (
         type(loader) is DataLoader
         and type(loader.dataset) is TensorDataset
         and loader.num_workers == 0
         and loader.batch_sampler is not None
-        and loader.collate_fn is default_collate
     )
 
 
