@@ -13,17 +13,22 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import lightning as L
 import numpy as np
 import torch
+from jax._src import config as jax_config
 from torchmetrics import Metric
 
 from torchshell._errors import ConfigError, TorchModelError
+from torchshell.port._host_reads import traced_global_step
 from torchshell.port._logs import (
     _METRIC_HOOKS,
     _METRIC_METHODS,
     GRADS_HOOKS,
     HOOKS,
+    STEP_KEY,
+    USER_KEY,
     LogSpec,
     MetricCall,
     _counting_class,
@@ -35,6 +40,7 @@ from torchshell.port._logs import (
     _warn_at,
 )
 from torchshell.trace import TracedScalar
+from torchshell.trace._messages import DATA_DEPENDENT
 
 __all__ = ["LogCapture"]
 
@@ -45,6 +51,51 @@ class LogCapture:
     module: L.LightningModule
     tracer: Any  # the port's TorchTracer (its reads: traced values used as Python bools)
     _warned: set[tuple[str, str]]
+    manual: Any  # manual optimization: the run being traced (its opt.step() calls)
+    manual_plan: Any
+    reads_step = False  # training_step reads global_step: its batches carry it (with_step)
+    _step_value: Any = None  # this call's STEP_KEY value (None: a shape-only trace)
+
+    def host_step(self) -> int:
+        """The Trainer's ``global_step`` now (0 without a Trainer)."""
+        trainer = getattr(self.module, "_trainer", None)
+        return 0 if trainer is None else int(trainer.global_step)
+
+    def with_step(self, batch: Any, micro: int = 0) -> Any:
+        """``batch`` with the Trainer's ``global_step`` beside it (:data:`STEP_KEY`), which a
+        traced ``training_step`` reads as ``self.global_step``; ``micro``: a window of that
+        many stacked batches, which all see the same value (one optimizer step)."""
+        out = dict(batch) if isinstance(batch, Mapping) and USER_KEY in batch else {USER_KEY: batch}
+        # (a numpy value: jit places it in its own call, cheaper than a device_put of it)
+        out[STEP_KEY] = np.full((micro,) if micro else (), self.host_step(), np.int32)
+        return out
+
+    def _global_step(self) -> Any:
+        """``self.global_step`` inside a traced ``training_step``: the value the step received
+        with its batch, plus the ``opt.step()`` calls made so far under manual optimization
+        (as Lightning counts); a traced int32 tensor, so the step follows it every call."""
+        value = self._step_value
+        # (the trace folds ops on constants: off here, so a shape-only trace, discovery or
+        # init, gets a traced value too, and the user's reads of it number alike)
+        with jax_config.eager_constant_folding(False):
+            if value is None:
+                value = jnp.asarray(self.host_step(), jnp.int32) + 0
+            if self.manual_plan is not None and self.manual is not None:
+                value = value + self.manual.steps
+            return self.tracer.env.j2t_iso(jnp.asarray(value, jnp.int32))
+
+    def _step_as_number(self, err: BaseException) -> TorchModelError:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return TorchModelError(
+            f"{type(self.module).__name__}.training_step reads self.global_step and uses a "
+            "traced value as a Python number (int(), float(), range(), a tensor shape or an "
+            "index). In the compiled step global_step is a traced int32 tensor the step "
+            "receives with each batch: arithmetic, comparisons, min/max and `if` on it work, "
+            "a Python number made from it cannot. Fix: keep it a tensor (e.g. "
+            "torch.as_tensor((self.global_step + 1) / 100).clamp(max=1.0), self.log('gstep', "
+            "self.global_step)), or decide on the host in on_train_batch_start. "
+            f"({type(err).__name__}: {first})"
+        )
 
     def _returned_none(self) -> TorchModelError:
         """``training_step`` returned None: Lightning skips that batch; a compiled step cannot
@@ -129,10 +180,23 @@ class LogCapture:
             metrics = self._refuse_metrics(hook)
         user_class = type(self.module)
         read: set[str] = set()
-        self.module.__class__ = _counting_class(user_class, read)
+
+        def global_step() -> Any:  # (a traced value in training_step: see _global_step)
+            read.add("global_step")
+            return self._global_step()
+
+        train = hook == "training_step"
+        given = {"global_step": global_step} if train else {}
+        self.module.__class__ = _counting_class(user_class, read, given)
         groups = self._watch_lr(read) if hook in ("training_step", *GRADS_HOOKS) else []
+        steps = traced_global_step(global_step) if train else contextlib.nullcontext()
         try:
-            yield
+            with steps:
+                yield
+        except DATA_DEPENDENT as err:
+            if train and "global_step" in read:
+                raise self._step_as_number(err) from err
+            raise
         finally:
             for owner, index, value in groups:  # the optimizers' own param groups back
                 if value is None:
@@ -146,8 +210,11 @@ class LogCapture:
                 for method in _METRIC_METHODS:
                     metric.__dict__.pop(method, None)
                 metric.__dict__.update(before)  # torchmetrics' own wrapped update/compute
-        if hook == "training_step":  # specialised: one program per epoch (port._host_reads)
+        if train:  # specialised: one program per epoch (port._host_reads)
             read.discard("current_epoch")
+            if "global_step" in read:  # traced: its batches carry it from now on
+                self.reads_step = True
+                read.discard("global_step")
         for name in sorted(read):
             if (hook, name) not in self._warned:
                 self._warned.add((hook, name))

@@ -8,28 +8,28 @@ batch would keep ``is_last_batch=False`` for every batch, and never step. So whi
 with the values they gave; before each batch the compiled step traced with the values the
 Trainer holds now is used, traced anew when there is none (``is_last_batch``: two
 programs; ``current_epoch``: one per epoch where it is read). The same holds under automatic
-optimization (``if self.current_epoch < 5: loss = loss + penalty``). ``global_step`` changes
-every step: under manual optimization a read of it is refused, naming it and the fix; under
-automatic optimization it is left as it was (docs/porting.md).
+optimization (``if self.current_epoch < 5: loss = loss + penalty``). Only the programs
+that can still be used are kept (:func:`reusable`: the current epoch's).
+
+``global_step`` changes every step, so it is not specialised: while ``training_step`` is
+traced, a read of it gives a traced value the compiled step receives with each batch
+(:func:`traced_global_step`; :class:`~torchshell.port._capture.LogCapture` supplies it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import lightning as L
 
-from torchshell._errors import ConfigError
-
-__all__ = ["SPECIALISED", "reads_hold", "watching_trainer"]
+__all__ = ["SPECIALISED", "reads_hold", "reusable", "traced_global_step", "watching_trainer"]
 
 SPECIALISED = ("is_last_batch", "current_epoch")
-_REFUSED = ("global_step",)
 _LIGHTNING = str(Path(L.__file__).parent)
 # frames a read passes through on its way from the user's code: Lightning's properties
 # (``self.current_epoch``) and the trace's counting class (:func:`port._logs._counting_class`)
@@ -46,36 +46,26 @@ def _user_frame() -> bool:
 
 
 @contextlib.contextmanager
-def watching_trainer(owner: str, reads: dict[str, Any], manual: bool = True) -> Iterator[None]:
+def watching_trainer(reads: dict[str, Any]) -> Iterator[None]:
     """While tracing: the user's reads of :data:`SPECIALISED` Trainer values go into
-    ``reads`` (name: value); under manual optimization a read of ``global_step`` is refused.
+    ``reads`` (name: value).
 
     Args:
-        owner: the user's module's class name (for the message).
         reads: filled with what was read.
-        manual: the step is a manual-optimization one.
 
     Example:
         >>> reads = {}
-        >>> with watching_trainer("Net", reads):
+        >>> with watching_trainer(reads):
         ...     pass
         >>> reads
         {}
     """
-    saved = {name: L.Trainer.__dict__[name] for name in SPECIALISED + (_REFUSED if manual else ())}
+    saved = {name: L.Trainer.__dict__[name] for name in SPECIALISED}
 
     def recorder(name: str) -> property:
         def get(trainer: Any) -> Any:
             value = saved[name].fget(trainer)
             if _user_frame():
-                if name in _REFUSED:
-                    raise ConfigError(
-                        f"{owner}.training_step reads self.{name} under manual optimization: "
-                        "the compiled step is traced once, so the value of the first batch "
-                        "would be kept for every batch. Fix: decide per batch on host values "
-                        "in on_train_batch_start/on_train_batch_end, or let a scheduler "
-                        "(self.lr_schedulers(), sch.step() every batch) carry the step count."
-                    )
                 reads[name] = value
             return value
 
@@ -90,6 +80,29 @@ def watching_trainer(owner: str, reads: dict[str, Any], manual: bool = True) -> 
             setattr(L.Trainer, name, prop)
 
 
+@contextlib.contextmanager
+def traced_global_step(value: Callable[[], Any]) -> Iterator[None]:
+    """While tracing: the user's reads of ``trainer.global_step`` give ``value()`` (a traced
+    tensor); Lightning's and coreshell's own reads still give the Trainer's int.
+
+    Example:
+        >>> import lightning as L
+        >>> with traced_global_step(lambda: "traced"):  # (a doctest is a user's frame)
+        ...     L.Trainer.global_step.fget(None)
+        'traced'
+    """
+    saved = L.Trainer.__dict__["global_step"]
+
+    def get(trainer: Any) -> Any:
+        return value() if _user_frame() else saved.fget(trainer)
+
+    L.Trainer.global_step = property(get)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        L.Trainer.global_step = saved  # type: ignore[method-assign]
+
+
 def reads_hold(trainer: Any, reads: dict[str, Any]) -> bool:
     """Whether ``trainer`` holds the values a compiled step was traced with.
 
@@ -100,3 +113,23 @@ def reads_hold(trainer: Any, reads: dict[str, Any]) -> bool:
         (True, False)
     """
     return all(getattr(trainer, name) == value for name, value in reads.items())
+
+
+def reusable(
+    steps: list[tuple[dict[str, Any], Any]], reads: dict[str, Any]
+) -> list[tuple[dict[str, Any], Any]]:
+    """The compiled steps still worth keeping once one traced with ``reads`` is added.
+
+    ``current_epoch`` only grows within a fit: a program traced in an earlier epoch never
+    holds again, so only those of the epoch ``reads`` holds are kept (``is_last_batch``'s two,
+    say), and the others are freed.
+
+    Example:
+        >>> steps = [({"current_epoch": 0}, "a"), ({"current_epoch": 1}, "b")]
+        >>> [s for _, s in reusable(steps, {"current_epoch": 1})]
+        ['b']
+    """
+    if "current_epoch" not in reads:
+        return steps
+    epoch = reads["current_epoch"]
+    return [(r, s) for r, s in steps if r.get("current_epoch", epoch) == epoch]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ __all__ = [
     "GRADS_HOOKS",
     "HOOKS",
     "METRIC_KEY",
+    "STEP_KEY",
     "USER_KEY",
     "LogSpec",
     "MetricCall",
@@ -130,6 +131,7 @@ def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any],
 BATCH_SIZE_KEY = "~batch_size/"  # in a step's logs: the batch_size= a self.log call gave
 APPENDED_KEY = "~appended"  # in an evaluation step's logs: {list attribute: [values]}
 USER_KEY = "~batch"  # a batch with static values (LightningPort.specialise): the user's batch
+STEP_KEY = "~global_step"  # beside it: the Trainer's global_step for this batch (int32)
 _MAX_STATIC = 8  # distinct static values before a warning
 
 
@@ -246,19 +248,23 @@ class _ReadNoted(dict):  # type: ignore[type-arg]
         return super().get(key, default)
 
 
-def _counting_class(cls: type, read: set[str]) -> type:
+def _counting_class(
+    cls: type, read: set[str], values: Mapping[str, Callable[[], Any]] | None = None
+) -> type:
     """``cls`` whose ``global_step``/``current_epoch`` record, in ``read``, that they were read.
 
     The user's module wears this class while a step is traced (and its own class again after):
-    the values themselves are the ones ``cls`` gives.
+    the values themselves are the ones ``cls`` gives, or ``values[name]()`` where given (a
+    traced ``global_step``).
     """
+    given = dict(values or {})
 
     def counter(name: str) -> property:
         base = getattr(cls, name)
 
         def get(self: Any) -> Any:
             read.add(name)
-            return base.__get__(self, cls)
+            return given[name]() if name in given else base.__get__(self, cls)
 
         return property(get)
 
@@ -279,7 +285,8 @@ def _warn_at(method: Any, where: str, name: str) -> None:
     else:
         message = (
             f"{where} reads self.{name}: the compiled step is traced once, so every step sees "
-            "its value at trace time (0), where plain Lightning gives the current one. Fix: "
+            "its value at trace time, where plain Lightning gives the current one (in "
+            "training_step it is the Trainer's, step by step). Fix: "
             "for an lr warmup or decay use a torch lr scheduler in configure_optimizers "
             "(mapped per step); for a loss weight that changes over training, compute it from "
             "a batch field."

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import torch
 
 import jaxcore
+from jaxcore.guard import checked, checking
 from torchshell._errors import ConfigError
 from torchshell.module._clip import torch_clip
 from torchshell.port._batch_idx import BatchIdx
@@ -165,6 +166,15 @@ class ManualRun:
     losses: list[jax.Array] = dataclasses.field(default_factory=list)
     backwards: int = 0
     steps: int = 0
+    _initial: list[ManualOptState] | None = None
+
+    def restart(self) -> None:
+        """The run from its start again: each path of a traced branch (``if
+        self.global_step % N == 0:``) runs ``training_step`` anew."""
+        if self._initial is None:
+            self._initial = list(self.states)
+        self.states, self.grads, self.frozen, self.losses = list(self._initial), {}, set(), []
+        self.backwards = self.steps = 0
 
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())
@@ -307,6 +317,8 @@ def manual_step(
                 try:
                     _call(port, run, params, state.model_state, batch, key)
                 except _Reached as reached:
+                    if port.tracer.reads.d:  # (reached inside a lax.cond path: its value)
+                        raise _branch_before_backward(port) from None
                     return reached.loss
                 raise _Finished
 
@@ -315,7 +327,9 @@ def manual_step(
             except _Finished:
                 break
         run = ManualRun(plan, list(state.opt_state), known)
-        out, logs, model_state = _call(port, run, state.params, state.model_state, batch, key)
+        with checking(batch) as checks:  # (an embedding's index range, as the automatic step)
+            out, logs, model_state = _call(port, run, state.params, state.model_state, batch, key)
+        found = checked(checks.result())
         returned, results = out
         port.manual_steps = run.steps  # (known once traced: global_step's count per batch)
         loss = port.manual_loss(returned, results["losses"])
@@ -335,6 +349,8 @@ def manual_step(
         )
         if nan_policy == "stop":
             ok = ok & (state.nonfinite == 0)
+        ok = ok & (found[0] == -1)  # (refused; the shell raises the check's error under "stop")
+        where = jnp.where((state.nonfinite_step < 0) & ~ok, found, state.nonfinite_input)
         kept = jax.tree.map(
             lambda a, b: jnp.where(ok, a, b),
             (new.params, new.opt_state, new.model_state),
@@ -349,6 +365,7 @@ def manual_step(
             model_state=kept[2],
             nonfinite=state.nonfinite + bad,
             nonfinite_step=first,
+            nonfinite_input=where,
         )
         return new, {**metrics, "nonfinite": bad.astype(jnp.float32)}
 
@@ -361,10 +378,21 @@ def manual_step(
     )
 
 
+def _branch_before_backward(port: Any) -> ConfigError:
+    return ConfigError(
+        f"{type(port.module).__name__}.training_step (manual optimization) uses a traced "
+        "value as a Python bool before manual_backward (e.g. `if self.global_step % N == 0:` "
+        "or `min(1.0, self.global_step / N)`): each manual_backward is differentiated up to "
+        "it, which a branch around it cannot be. Fix: write the choice with tensors before "
+        "the backward (torch.where, torch.as_tensor((self.global_step + 1) / N).clamp(max=1)), "
+        "or branch after the last manual_backward."
+    )
+
+
 def _call(port: Any, run: ManualRun, params: Any, model_state: Any, batch: Any, key: Any) -> Any:
     port.manual = run
     try:
-        with watching_trainer(type(port.module).__name__, port.host_reads):
+        with watching_trainer(port.host_reads):
             return port.call("training_step", params, model_state, batch, key, True)
     finally:
         port.manual = None

@@ -14,7 +14,9 @@ import jax
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.port._host_reads import reads_hold, watching_trainer
+from torchshell.module._batches import MicroBatches
+from torchshell.port._host_reads import reads_hold, reusable, watching_trainer
+from torchshell.port._logs import STEP_KEY
 from torchshell.port._manual import manual_step
 from torchshell.port._manual_optim import ManualPlan, map_manual
 
@@ -126,14 +128,17 @@ class ManualParts:
 
     def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
         """Each compiled step is kept with the Trainer values its trace read
-        (``is_last_batch``...: :mod:`torchshell.port._host_reads`)."""
+        (``is_last_batch``...: :mod:`torchshell.port._host_reads`); those traced with values
+        that cannot come back (an earlier epoch's) are freed."""
         self.port.host_reads = {}
+        jbatch = self._with_step(jbatch)
         if self.manual:  # (watched inside the manual step's own trace)
             super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
         else:
-            with watching_trainer(type(self.port.module).__name__, self.port.host_reads, False):
+            with watching_trainer(self.port.host_reads):
                 super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
-        self._host_steps.append((dict(self.port.host_reads), self._train_step))
+        reads = dict(self.port.host_reads)
+        self._host_steps[:] = [*reusable(self._host_steps, reads), (reads, self._train_step)]
 
     def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step traced with the Trainer values of this batch (traced anew for
@@ -143,7 +148,25 @@ class ManualParts:
         elif self._host_steps and self._host_steps[0][0]:  # (no reads: the one program)
             found = (s for reads, s in self._host_steps if reads_hold(self.trainer, reads))
             self._train_step = next(found, None)
-        return super()._step_for(micro, jbatch)  # type: ignore[misc,no-any-return]
+        step = super()._step_for(micro, jbatch)  # type: ignore[misc]
+        if not self._window_reads_step(jbatch):
+            return step  # type: ignore[no-any-return]
+        return _StepWithCount(step, self._with_step)  # type: ignore[return-value]
+
+    def _window_reads_step(self, jbatch: Any) -> bool:
+        """An accumulation window's batches, stacked or not, and ``training_step`` reads
+        ``global_step`` (a single batch has it already: ``LightningPort.specialise``)."""
+        has = isinstance(jbatch, Mapping) and STEP_KEY in jbatch
+        return self.port.reads_step and self.flags.accumulate > 1 and not has
+
+    def _with_step(self, jbatch: Any) -> Any:
+        """The window's batches with the Trainer's ``global_step`` beside them (the same for
+        each: one optimizer step), when ``training_step`` reads it."""
+        if not self._window_reads_step(jbatch):
+            return jbatch
+        if isinstance(jbatch, MicroBatches):  # (shapes differ: each its own batch)
+            return MicroBatches(self.port.with_step(b) for b in jbatch)
+        return self.port.with_step(jbatch, micro=len(jax.tree.leaves(jbatch)[0]))
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Under manual optimization ``global_step`` counts ``opt.step()`` calls, as in
@@ -237,3 +260,16 @@ class _HostScheduler:
 
     def __getattr__(self, name: str) -> Any:  # get_last_lr(), state_dict(), ...
         return getattr(self._scheduler, name)
+
+
+class _StepWithCount:
+    """A compiled step called with the window's ``global_step`` added to its batch."""
+
+    def __init__(self, step: Any, with_step: Any) -> None:
+        self._step, self._with_step = step, with_step
+
+    def __call__(self, state: Any, jbatch: Any) -> Any:
+        return self._step(state, self._with_step(jbatch))
+
+    def __getattr__(self, name: str) -> Any:  # (recompiles, compile, ...)
+        return getattr(self._step, name)

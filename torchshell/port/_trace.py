@@ -35,6 +35,7 @@ from torchshell.port._logs import (
     GRADS_HOOK,
     HOOKS,
     METRIC_KEY,
+    STEP_KEY,
     USER_KEY,
     LogSpec,
     MetricCall,
@@ -130,19 +131,24 @@ class LightningPort(LogCapture):
         records: list[tuple[LogSpec, Any]] = []
         calls: list[tuple[MetricCall, dict[str, Any]]] = []
         fn = self._hook_fn(hook, dataloader_idx, records, calls)
-        statics = None
+        statics, step = None, None
         if isinstance(batch, Mapping) and USER_KEY in batch:  # see specialise()
-            used, types = self.statics[hook_key(hook, dataloader_idx)]
-            found = patterns.decode(batch[STATIC_KEY].shape[1:])
-            statics = {n: t(v) for n, t, v in zip(used, types, found, strict=True)}
-            batch = batch[USER_KEY]
+            if STATIC_KEY in batch:
+                used, types = self.statics[hook_key(hook, dataloader_idx)]
+                found = patterns.decode(batch[STATIC_KEY].shape[1:])
+                statics = {n: t(v) for n, t, v in zip(used, types, found, strict=True)}
+            step, batch = batch.get(STEP_KEY), batch[USER_KEY]
         # an eval hook's embedding indices: checked in its step, [code, value] for the host
         # (the train step checks its own: jaxcore.guard.checking in the gradient function)
         checks = contextlib.nullcontext() if hook == "training_step" else checking(batch)
-        with self.tracer.static_values(statics), checks as found_checks:
-            (out, values, states, appended), new_state = self.tracer.call(
-                fn, params, model_state, [batch], rng, train
-            )
+        self._step_value = step  # (self.global_step: LogCapture._global_step)
+        try:
+            with self.tracer.static_values(statics), checks as found_checks:
+                (out, values, states, appended), new_state = self.tracer.call(
+                    fn, params, model_state, [batch], rng, train
+                )
+        finally:
+            self._step_value = None
         specs: dict[str, LogSpec] = {}
         logs: dict[str, jax.Array] = {}
         for (spec, _), value in zip(records, values, strict=True):
@@ -208,6 +214,7 @@ class LightningPort(LogCapture):
         from torchshell.port._manual import ManualRun
 
         run = self.manual or ManualRun(self.manual_plan, [], [], dry=True)
+        run.restart()  # (each path of a traced branch runs it again)
         with run.installed(self.module, self.tracer.env):
             out = self.module.training_step(batch, *self._batch_idx("training_step"))
             return out, run.results()
@@ -308,8 +315,8 @@ class LightningPort(LogCapture):
             check_static_reads(found, f"{type(self.module).__name__}.{hook}")
             self.statics[key] = (sorted(found), [type(found[n]) for n in sorted(found)])
         used, _ = self.statics[key]
-        if not used:
-            return batch
+        if not used:  # (self.global_step read: the Trainer's value travels with the batch)
+            return self.with_step(batch) if key == "training_step" and self.reads_step else batch
         fn = self._hook_fn(hook, dataloader_idx, [], [])
         read = self.tracer.probe(fn, [batch], train, used[-1])
         values = tuple(int(read[n]) for n in used)
@@ -327,7 +334,8 @@ class LightningPort(LogCapture):
                     stacklevel=2,
                 )
         marker = np.zeros((0, *patterns.encode(values)), np.int8)
-        return {USER_KEY: batch, STATIC_KEY: jax.device_put(marker)}
+        out = {USER_KEY: batch, STATIC_KEY: jax.device_put(marker)}
+        return self.with_step(out) if key == "training_step" and self.reads_step else out
 
     def needs_statics(self, hook: str) -> bool:
         """Whether ``hook`` reads batch scalars in Python (after :meth:`specialise`)."""
