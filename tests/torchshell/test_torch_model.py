@@ -58,12 +58,12 @@ class SmallEncoder(nn.Module):
 
 
 class WithMaxPool(nn.Module):
-    """A layer torchax 0.0.13 cannot lower (adaptive max pooling)."""
+    """A layer torchax 0.0.13 cannot lower, nor coreshell (fractional max pooling)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(64, 8), nn.Unflatten(1, (1, 8)))
-        self.pool = nn.AdaptiveMaxPool1d(2)
+        self.body = nn.Sequential(nn.Linear(64, 8), nn.Unflatten(1, (1, 2, 4)))
+        self.pool = nn.FractionalMaxPool2d(2, output_size=(1, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.pool(self.body(x)).flatten(1)
@@ -313,8 +313,8 @@ def test_unsupported_op_fails_at_extraction_naming_op_and_module():
     with pytest.raises(TorchModelError) as info:
         torch_model_fns(WithMaxPool(), example={"x": torch.zeros(2, 64)})
     message = str(info.value)
-    assert "aten::adaptive_max_pool2d" in message
-    assert "pool (AdaptiveMaxPool1d)" in message
+    assert "aten::fractional_max_pool2d" in message
+    assert "pool (FractionalMaxPool2d)" in message
     assert "Flax" in message
 
 

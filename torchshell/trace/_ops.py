@@ -1,0 +1,396 @@
+"""Ops torchax 0.0.13 does not lower (or lowers wrongly), and torch's dtype refusals.
+
+- ``aten::adaptive_max_pool2d``/``3d`` (``F.adaptive_max_pool1d``/``2d``/``3d``,
+  ``nn.AdaptiveMaxPool*d``, ``return_indices`` too) had no lowering: each output takes the
+  max over torch's window ``[floor(i * n / out), ceil((i + 1) * n / out))``, the first
+  maximum (the last NaN) as torch's kernel, and the gradient goes to that element only.
+- ``aten::cummax``/``cummin``: torchax's lowering failed on a negative ``dim`` and split the
+  gradient between tied elements (``jnp.maximum``); torch's index is the *last* extreme
+  (NaN wins, the last NaN), and its gradient goes to that index only.
+- ``aten::rrelu_with_noise`` (``F.rrelu``, ``nn.RReLU``) had no lowering: in eval a leaky
+  relu with slope ``(lower + upper) / 2``, in training a slope drawn per element from
+  ``U(lower, upper)`` where ``x <= 0``, from the step's key (as dropout draws).
+- ``Tensor.normal_`` failed in torchax (no functional ``aten::normal`` overload takes its
+  arguments); ``normal_``/``uniform_`` draw from the step's key, in the tensor's dtype, with
+  torch's argument checks.
+- Matmuls and convolutions refuse operands of different dtypes at trace time, as torch does
+  (``mat1 and mat2 must have the same dtype``), where JAX would promote silently (a
+  bfloat16 batch into a float32 ``nn.Linear`` trained in float32).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchshell._errors import TorchModelError
+
+
+def _windows(n_in: int, n_out: int) -> np.ndarray:
+    """``[n_out, k]`` input positions of each adaptive window (the last one repeated to pad
+    to the widest, which changes neither the max nor the first maximum's position)."""
+    starts = [(i * n_in) // n_out for i in range(n_out)]
+    ends = [-(-((i + 1) * n_in) // n_out) for i in range(n_out)]
+    k = max(e - s for s, e in zip(starts, ends, strict=True))
+    return np.array(
+        [[min(s + j, e - 1) for j in range(k)] for s, e in zip(starts, ends, strict=True)]
+    )
+
+
+def _first_max(win: jax.Array) -> jax.Array:
+    """The position along the last axis torch's max pooling keeps: the first maximum, or
+    the last NaN where there is one (its kernel takes ``val > max || isnan(val)``)."""
+    if not jnp.issubdtype(win.dtype, jnp.floating):
+        return jnp.argmax(win, axis=-1)
+    nan = jnp.isnan(win)
+    last_nan = win.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+    first = jnp.argmax(jnp.where(nan, -jnp.inf, win), axis=-1)
+    return jnp.where(nan.any(-1), last_nan, first)
+
+
+def adaptive_max_pool(x: jax.Array, output_size: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """``aten::adaptive_max_pool{2,3}d``: ``(values, indices)``, the indices flat over each
+    plane's spatial positions (what ``F.max_unpool*d`` takes).
+
+    Example:
+        >>> v, i = adaptive_max_pool(jnp.array([[[1.0, 5.0, 2.0, 5.0, 0.0]]]), [1, 2])
+        >>> v.tolist(), i.tolist()
+        ([[[5.0, 5.0]]], [[[1, 3]]])
+    """
+    k = len(output_size)
+    sizes = x.shape[x.ndim - k :]
+    if any(s == 0 for s in sizes) or any(int(o) <= 0 for o in output_size):
+        raise TorchModelError(
+            f"adaptive_max_pool{k}d: input of shape {tuple(x.shape)} to output size "
+            f"{tuple(output_size)}: torch needs non-empty spatial dimensions and output sizes "
+            "> 0. Fix: check the pooled tensor's shape and the output size."
+        )
+    lead = x.ndim - k
+    index = [_windows(n, int(o)) for n, o in zip(sizes, output_size, strict=True)]
+    win = x
+    for axis, idx in enumerate(index):  # each spatial axis becomes (out, window)
+        win = jnp.take(win, jnp.asarray(idx), axis=lead + 2 * axis)
+    outs = [lead + 2 * a for a in range(k)]
+    inner = [lead + 2 * a + 1 for a in range(k)]
+    win = jnp.transpose(win, (*range(lead), *outs, *inner))
+    win = win.reshape(*win.shape[: lead + k], -1)
+    strides = [math.prod(sizes[a + 1 :]) for a in range(k)]
+    flat = np.zeros([len(i) for i in index] + [i.shape[1] for i in index], np.int64)
+    for a, idx in enumerate(index):  # the flat input position of each window element
+        shape = [1] * (2 * k)
+        shape[a], shape[k + a] = idx.shape
+        flat = flat + idx.reshape(shape) * strides[a]
+    flat = jnp.asarray(flat.reshape(*flat.shape[:k], -1), jnp.int32)
+    pos = _first_max(win)[..., None]
+    values = jnp.take_along_axis(win, pos, axis=-1)[..., 0]
+    indices = jnp.take_along_axis(jnp.broadcast_to(flat, win.shape), pos, axis=-1)[..., 0]
+    return values, indices
+
+
+def _cumulative(x: jax.Array, dim: int, later_wins: Callable[..., Any]) -> Any:
+    """``(values, indices)`` of a cumulative extreme along ``dim``: the values gathered at
+    the indices, so the gradient goes to the chosen element only (torch's scatter-add)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
+    axis = dim % x.ndim
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    idx = jnp.broadcast_to(jnp.arange(x.shape[axis], dtype=jnp.int32).reshape(shape), x.shape)
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+
+    def combine(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> Any:
+        (v1, i1), (v2, i2) = a, b
+        take = later_wins(v1, v2)
+        if floating:  # NaN wins, the last one: torch's ``isnan(x) || (!isnan(out) && ...)``
+            take = jnp.isnan(v2) | (~jnp.isnan(v1) & take)
+        return jnp.where(take, v2, v1), jnp.where(take, i2, i1)
+
+    _, indices = jax.lax.associative_scan(combine, (jax.lax.stop_gradient(x), idx), axis=axis)
+    return jnp.take_along_axis(x, indices, axis=axis), indices
+
+
+def cummax(x: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
+    """``torch.cummax``: the index of the *last* maximum so far, as torch's.
+
+    Example:
+        >>> v, i = cummax(jnp.array([1.0, 3.0, 3.0, 2.0]), -1)
+        >>> v.tolist(), i.tolist()
+        ([1.0, 3.0, 3.0, 3.0], [0, 1, 2, 2])
+    """
+    return _cumulative(x, dim, lambda v1, v2: v2 >= v1)
+
+
+def cummin(x: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
+    """``torch.cummin``: the index of the *last* minimum so far, as torch's.
+
+    Example:
+        >>> cummin(jnp.array([2.0, 1.0, 1.0, 3.0]), 0)[1].tolist()
+        [0, 1, 2, 2]
+    """
+    return _cumulative(x, dim, lambda v1, v2: v2 <= v1)
+
+
+def _rrelu(
+    env: Any,
+    x: jax.Array,
+    lower: float = 0.125,
+    upper: float = 1 / 3,
+    training: bool = False,
+    generator: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(output, noise)`` of ``rrelu``: the slope of each element (1 where ``x > 0``)."""
+    lower, upper = float(lower), float(upper)
+    if not training:
+        slope = jnp.asarray((lower + upper) / 2, x.dtype)
+        return jnp.where(x > 0, x, x * slope), jnp.where(x > 0, 1, slope).astype(x.dtype)
+    key = env.get_and_rotate_prng_key(generator)
+    r = jax.random.uniform(key, x.shape, x.dtype, minval=lower, maxval=upper)
+    noise = jnp.where(x <= 0, r, jnp.ones((), x.dtype))
+    return x * noise, noise
+
+
+def rrelu_with_noise(
+    env: Any,
+    x: Any,
+    noise: Any,
+    lower: float = 0.125,
+    upper: float = 1 / 3,
+    training: bool = False,
+    generator: Any = None,
+) -> Any:
+    """``aten::rrelu_with_noise`` on torchax tensors: the output, ``noise`` written."""
+    out, slopes = _rrelu(env, env.t2j_iso(x), lower, upper, training, generator)
+    noise.copy_(env.j2t_iso(slopes))
+    return env.j2t_iso(out)
+
+
+def _random_(env: Any, kind: str) -> Callable[..., jax.Array]:
+    """The functional of ``normal_``/``uniform_``: a draw of ``x``'s shape and dtype."""
+
+    def draw(x: jax.Array, a: float = 0.0, b: float = 1.0, *, generator: Any = None) -> Any:
+        a, b = float(a), float(b)
+        if kind == "normal" and b < 0:
+            raise TorchModelError(
+                f"Tensor.normal_(mean={a}, std={b}): torch needs std >= 0.0 (it raises "
+                "'normal expects std >= 0.0'). Fix: pass a non-negative std."
+            )
+        if kind == "uniform" and a > b:
+            raise TorchModelError(
+                f"Tensor.uniform_(from={a}, to={b}): torch needs from <= to (it raises "
+                "'uniform_ expects to return a [from, to) range'). Fix: swap the bounds."
+            )
+        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+        key = env.get_and_rotate_prng_key(generator)
+        if kind == "normal":
+            value = jax.random.normal(key, x.shape, dtype) * b + a
+        else:
+            value = jax.random.uniform(key, x.shape, dtype, minval=a, maxval=b)
+        return value.astype(x.dtype)
+
+    return draw
+
+
+# -- dtype refusals ---------------------------------------------------------------------------
+
+_TORCH_NAMES = {
+    "float32": "Float",
+    "float64": "Double",
+    "float16": "Half",
+    "bfloat16": "BFloat16",
+    "int32": "Int",
+    "int64": "Long",
+}
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _module_site() -> str:
+    """The innermost ``nn.Module`` whose method is running, by its path in the traced one
+    (``encoder.0 (Linear)``), and the line it runs."""
+    from torchshell.trace._paths import Bound
+
+    found: list[tuple[torch.nn.Module, str]] = []
+    root: torch.nn.Module | None = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if isinstance(owner, Bound) and root is None:
+            root = owner.m  # the module the tracer was given
+        elif (
+            isinstance(owner, torch.nn.Module)
+            and root is None
+            and (not found or found[-1][0] is not owner)  # (not its ``_call_impl`` frames)
+        ):
+            found.append((owner, f"{code.co_filename}:{frame.f_lineno}"))
+        frame = frame.f_back  # type: ignore[assignment]
+    if not found:
+        return "the traced code"
+    inner, site = found[0]
+    root = root if root is not None else found[-1][0]
+    path = next((n for n, m in root.named_modules() if m is inner), "") or "<root>"
+    caller = f", called from {found[1][1]}" if len(found) > 1 else ""
+    return f"module {path} ({type(inner).__name__}) at {site}{caller}"
+
+
+def _same_dtypes(name: str, names: Sequence[str], func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (a lowering of op ``name``, arguments ``names``) refusing tensor operands of
+    different dtypes."""
+    conv = "conv" in name
+
+    @functools.wraps(func)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        given = {**dict(zip(names, args, strict=False)), **kwargs}  # (defaults not given)
+        tensors = {k: v for k, v in given.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
+        if len({_dtype_name(v) for v in tensors.values()}) > 1 and not _reduced_compute():
+            raise _mixed(name, tensors, conv)
+        return func(*args, **kwargs)
+
+    return checked
+
+
+def _reduced_compute() -> bool:
+    """Whether the traced call runs with its params cast to another dtype than the
+    module's (``compute_dtype="bfloat16"``, ``Trainer(precision="bf16-mixed")``): as under
+    ``torch.autocast``, a matmul then takes float32 buffers and frozen weights beside
+    bfloat16 inputs."""
+    from torchshell.torch_model import TorchTracer  # (imports this package)
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        tracer = frame.f_locals.get("self")
+        if frame.f_code.co_name == "_run" and isinstance(tracer, TorchTracer):
+            params, params0 = frame.f_locals.get("params") or {}, tracer.params0
+            return any(
+                k in params0 and jnp.dtype(v.dtype) != jnp.dtype(params0[k].dtype)
+                for k, v in params.items()
+            )
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _mixed(op: str, tensors: dict[str, Any], conv: bool) -> TorchModelError:
+    dtypes = {k: _dtype_name(v) for k, v in tensors.items()}
+    first, *rest = dtypes
+    other = next(k for k in rest if dtypes[k] != dtypes[first])
+    a, b = (_TORCH_NAMES.get(dtypes[k], dtypes[k]) for k in (first, other))
+    said = (
+        f"Input type ({a}) and {other} type ({b}) should be the same"
+        if conv
+        else f"mat1 and mat2 must have the same dtype, but got {a} and {b}"
+    )
+    listed = ", ".join(f"{k} {v}" for k, v in dtypes.items())
+    return TorchModelError(
+        f"`{op}` in {_module_site()} got operands of different dtypes ({listed}); plain "
+        f"torch raises '{said}', and coreshell does not promote them silently. Expected "
+        f"the input in the layer's dtype ({dtypes[other]} here). Fix: cast the batch field "
+        f"in the Dataset or collate (x.to(torch.{dtypes[other]})), or at the top of "
+        f"forward, or cast the module to the input's dtype (module.to(torch.{dtypes[first]}))."
+    )
+
+
+# class-index targets torch refuses that reach the trace in their own dtype (int64 and uint64
+# arrive narrowed to int32/uint32, so those two cannot be told from a user's int32/uint32)
+_REFUSED_TARGETS = {"int8": "Char", "int16": "Short", "uint16": "UInt16", "bool": "Bool"}
+
+
+def check_target_dtype(loss: str, target: Any) -> None:
+    """Refuses class-index targets of a dtype torch's ``nll_loss`` refuses.
+
+    torch 2.9 takes int64 (and uint8) class indices and raises ``expected scalar type Long
+    but found Short`` for int16, int8, uint16, bool (and int32, which coreshell cannot tell
+    from the int64 it hands over as int32 with x64 off, so int32 is taken).
+
+    Example:
+        >>> check_target_dtype("cross_entropy", jnp.zeros(3, jnp.int32))
+        >>> check_target_dtype("cross_entropy", jnp.zeros(3, jnp.int16))
+        Traceback (most recent call last):
+        ...
+        torchshell._errors.TorchModelError: cross_entropy: the class-index target is int16...
+    """
+    name = _dtype_name(target)
+    if name in _REFUSED_TARGETS:
+        raise TorchModelError(
+            f"{loss}: the class-index target is {name} (shape {tuple(target.shape)}); plain "
+            f"torch raises 'expected scalar type Long but found {_REFUSED_TARGETS[name]}'. "
+            "Expected int64 class indices (uint8 is taken too). Fix: .long() on the labels "
+            "in the Dataset or collate (or in the loss)."
+        )
+
+
+# aten ops (``x @ w``, ``torch.bmm``, the convolutions), as ``name.overload``
+# fmt: off
+_DTYPE_CHECKED = (
+    "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "addbmm.default",
+    "matmul.default", "linear.default", "dot.default", "mv.default", "addmv.default",
+    "convolution.default", "conv1d.default", "conv2d.default", "conv3d.default",
+    "conv1d.padding", "conv2d.padding", "conv3d.padding", "conv_transpose1d.default",
+    "conv_transpose2d.input", "conv_transpose3d.input",
+)
+# fmt: on
+
+
+_FUNCTIONS = {
+    torch.nn.functional.linear: "F.linear",
+    torch.conv1d: "F.conv1d",
+    torch.conv2d: "F.conv2d",
+    torch.conv3d: "F.conv3d",
+    torch.conv_transpose1d: "F.conv_transpose1d",
+    torch.conv_transpose2d: "F.conv_transpose2d",
+    torch.conv_transpose3d: "F.conv_transpose3d",
+}
+
+
+def install_ops(env: Any) -> None:
+    """Registers the lowerings above in a torchax environment (after its other lowerings:
+    the dtype checks wrap whatever lowers each matmul and convolution)."""
+    from torchax.ops import op_base, ops_registry
+
+    aten = torch.ops.aten
+
+    def put(op: Any, func: Any, *, jax_fn: bool, needs_env: bool, view: bool = False) -> None:
+        env._ops[op] = ops_registry.Operator(
+            op, func, is_jax_function=jax_fn, is_user_defined=True, needs_env=needs_env,
+            is_view_op=view,
+        )  # fmt: skip
+
+    put(aten.adaptive_max_pool2d.default, adaptive_max_pool, jax_fn=True, needs_env=False)
+    put(aten.adaptive_max_pool3d.default, adaptive_max_pool, jax_fn=True, needs_env=False)
+    put(aten.cummax.default, cummax, jax_fn=True, needs_env=False)
+    put(aten.cummin.default, cummin, jax_fn=True, needs_env=False)
+    put(aten.rrelu_with_noise.default, functools.partial(rrelu_with_noise, env), jax_fn=False,
+        needs_env=False)  # fmt: skip
+    put(aten.rrelu_with_noise_functional.default,
+        lambda x, noise, *args, **kwargs: _rrelu(env, x, *args, **kwargs), jax_fn=True,
+        needs_env=False)  # fmt: skip
+    for op, kind in ((aten.normal_.default, "normal"), (aten.uniform_.default, "uniform")):
+        inplace = op_base.InplaceOp(_random_(env, kind), is_jax_func=True)
+        put(op, inplace, jax_fn=False, needs_env=False, view=True)
+    for name in _DTYPE_CHECKED:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload)
+        found = env._ops.get(op) or env._ops.get(op.overloadpacket)
+        found = found or env._decomps.get(op) or env._decomps.get(op.overloadpacket)
+        if found is not None:
+            names = [a.name for a in op._schema.arguments]
+            put(op, _same_dtypes(op._schema.name, names, found.func), jax_fn=found.is_jax_function,
+                needs_env=found.needs_env, view=found.is_view_op)  # fmt: skip
+    # torch functions torchax runs before any aten op: ``F.linear`` (its own JAX einsum,
+    # which promotes), ``F.conv*d`` (torch's C++ check raised a bare RuntimeError)
+    for function, name in _FUNCTIONS.items():
+        found = env._ops.get(function)
+        func = found.func if found is not None else function
+        jax_fn = found.is_jax_function if found is not None else False
+        needs_env = found.needs_env if found is not None else False
+        put(function, _same_dtypes(name, ("input", "weight", "bias"), func), jax_fn=jax_fn,
+            needs_env=needs_env)  # fmt: skip
