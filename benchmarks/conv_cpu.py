@@ -89,7 +89,34 @@ def _cases() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
     return out
 
 
-ZOO = ("Wav2Letter", "resnet", "mobilenet_v3_small", "efficientnet_b0", "convnext")
+ZOO = (
+    "resnet",
+    "mobilenet_v3_small",
+    "mobilenet_v2",
+    "efficientnet_b0",
+    "convnext",
+    "regnet",
+    "squeezenet",
+    "densenet",
+    "Wav2Letter",
+    "ConvTasNet",
+    "ConvNextForImageClassification",
+    "ResNetForImageClassification",
+)
+
+
+def _baseline(rev: str) -> Callable[[], dict]:
+    """``conv_lowerings`` of ``torchshell/trace/_conv.py`` as it was at git revision ``rev``."""
+    import subprocess
+    import types
+
+    src = subprocess.run(
+        ["git", "show", f"{rev}:torchshell/trace/_conv.py"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    mod = types.ModuleType(f"_conv_at_{rev}")
+    exec(compile(src, f"{rev}:_conv.py", "exec"), mod.__dict__)
+    return mod.conv_lowerings
 
 
 def _steps(
@@ -99,9 +126,10 @@ def _steps(
     kind: str,
     pick: Callable,
     lr: float,
-    lowered: bool,
+    lowerings: Callable[[], dict] | None,
 ) -> Callable[[], None]:
-    """The jitted step on ``batch`` (compiled here), traced with or without ``_conv``."""
+    """The jitted step on ``batch`` (compiled here), traced with ``lowerings`` in place of
+    ``_conv``'s (``dict``: torchax's own; ``None``: the working tree's)."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -111,8 +139,8 @@ def _steps(
     from torchshell.torch_model import specialise_batch, torch_model_fns
     from torchshell.trace import _env
 
-    without = mock.patch.object(_env, "conv_lowerings", dict)
-    with nullcontext() if lowered else without:
+    swap = mock.patch.object(_env, "conv_lowerings", lowerings)
+    with nullcontext() if lowerings is None else swap:
         fns = torch_model_fns(net, inputs)
         mesh = jaxcore.make_mesh({"data": 1}, num_devices=1)
         put = jax.device_put(_host(batch), NamedSharding(mesh, PartitionSpec("data")))
@@ -149,10 +177,11 @@ def _torch_step(
     return run
 
 
-def _problems() -> list[tuple[str, Callable[[], tuple]]]:
-    """(name, builder of (module, batch, inputs, kind, pick, lr)) for every case."""
+def _problems(nets: list[str] | None) -> list[tuple[str, Callable[[], tuple]]]:
+    """(name, builder of (module, batch, inputs, kind, pick, lr)) for every case (``nets``:
+    only those zoo nets, no single layers)."""
     out = []
-    for name, (build, shape) in _cases().items():
+    for name, (build, shape) in _cases().items() if nets is None else ():
 
         def make(build: Callable = build, shape: tuple = shape) -> tuple:
             torch.manual_seed(0)
@@ -166,6 +195,8 @@ def _problems() -> list[tuple[str, Callable[[], tuple]]]:
 
     for entry in zoo():
         if not any(entry.name.startswith(z) for z in ZOO):
+            continue
+        if nets and not any(n in entry.name for n in nets):
             continue
 
         def make_zoo(entry: object = entry) -> tuple:
@@ -186,30 +217,43 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed steps of each (median)")
     ap.add_argument("--only", default="", help="substring of the case names to run")
     ap.add_argument("--skip", default="", help="substring of the case names not to run")
+    ap.add_argument(
+        "--nets",
+        nargs="*",
+        help="zoo conv nets only (substrings of their names; none given: all of ZOO)",
+    )
+    ap.add_argument(
+        "--baseline",
+        default="torchax",
+        help="'before' is torchax's own convolution (default) or _conv.py at this git rev",
+    )
     args = ap.parse_args()
     import copy
 
     import jax
 
     torch.set_num_threads(1)
+    base = dict if args.baseline == "torchax" else _baseline(args.baseline)
     print(
         f"load average before: {os.getloadavg()}; jax {jax.__version__}, torch "
-        f"{torch.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"{torch.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+        f"before = {args.baseline}, after = the working tree",
         flush=True,
     )
     print(
-        "| case | torch eager ms | jitted, torchax conv ms | jitted, coreshell conv ms | "
-        "torch / before | torch / after |\n|---|---|---|---|---|---|",
+        "| case | torch eager ms | jitted before ms | jitted after ms | "
+        "torch / before | torch / after | load |\n|---|---|---|---|---|---|---|",
         flush=True,
     )
-    for name, make in _problems():
+    nets = None if args.nets is None else (args.nets or list(ZOO))
+    for name, make in _problems(nets):
         if (args.only and args.only not in name) or (args.skip and args.skip in name):
             continue
         net, batch, inputs, kind, pick, lr = make()
         runs = {
             "torch": _torch_step(copy.deepcopy(net), batch, inputs, kind, pick, lr),
-            "before": _steps(copy.deepcopy(net), batch, inputs, kind, pick, lr, False),
-            "after": _steps(copy.deepcopy(net), batch, inputs, kind, pick, lr, True),
+            "before": _steps(copy.deepcopy(net), batch, inputs, kind, pick, lr, base),
+            "after": _steps(copy.deepcopy(net), batch, inputs, kind, pick, lr, None),
         }
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.rounds):
@@ -221,7 +265,7 @@ def main() -> None:
         print(
             f"| {name} | {_fmt(times['torch'])} | {_fmt(times['before'])} | "
             f"{_fmt(times['after'])} | {med['torch'] / med['before']:.2f} | "
-            f"{med['torch'] / med['after']:.2f} |",
+            f"{med['torch'] / med['after']:.2f} | {os.getloadavg()[0]:.2f} |",
             flush=True,
         )
     print(f"load average after: {os.getloadavg()}", flush=True)

@@ -62,6 +62,15 @@ CASES = {
         {"groups": 4, "dilation": 2, "padding": 2},
         True,
     ),
+    "2d_depthwise_7x7": ((2, 8, 12, 11), (8, 1, 7, 7), {"groups": 8, "padding": 3}, True),
+    "2d_depthwise_dilated_strided_wide_pad": (
+        (2, 8, 10, 9),
+        (8, 1, 5, 3),
+        {"groups": 8, "stride": (2, 3), "dilation": (2, 1), "padding": (4, 1)},
+        False,
+    ),
+    "1d_depthwise_same_even_kernel": ((2, 6, 13), (6, 1, 4), {"groups": 6, "padding": "same"}, 1),
+    "3d_depthwise_strided": ((2, 4, 5, 6, 7), (4, 1, 3, 3, 3), {"groups": 4, "stride": 2}, True),
     "2d_same_even_kernel": ((2, 3, 10, 11), (5, 3, 4, 2), {"padding": "same"}, True),  # asymmetric
     "2d_stem_strided": ((2, 3, 16, 16), (6, 3, 7, 7), {"stride": 2, "padding": 3}, False),
     "2d_1x1": ((2, 8, 5, 6), (12, 8, 1, 1), {}, True),
@@ -145,7 +154,9 @@ def test_conv_lowering_values_and_gradients_equal_torch(case: str) -> None:
         _check(f, params, jnp.asarray(x.numpy()), module, x, case)
 
 
-@pytest.mark.parametrize("case", ["1d_long_kernel_strided", "2d_depthwise_strided", "2d_1x1"])
+@pytest.mark.parametrize(
+    "case", ["1d_long_kernel_strided", "2d_depthwise_strided", "2d_depthwise_7x7", "2d_1x1"]
+)
 def test_traced_conv_modules_equal_torch(case: str) -> None:
     """Through ``torch_model_fns``: ``F.conv*d`` reaches the lowering and trains as torch."""
     module, x = _case(case)
@@ -186,6 +197,17 @@ def test_grouped_and_long_1d_kernels_take_patches_dense_16x16_keeps_xla_on_cpu()
     assert not _has_conv(nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.randn(2, 8, 6, 6))
     assert not _has_conv(nn.Conv1d(4, 8, 32, padding=16), torch.randn(2, 4, 40))
     assert _has_conv(nn.Conv2d(8, 8, 3, padding=1), torch.randn(2, 8, 16, 16))
+
+
+def test_depthwise_input_gradient_is_one_correlation_not_a_pad_per_tap() -> None:
+    """A depthwise 7x7's input gradient: ``g`` padded once and correlated with the flipped
+    kernel, not autodiff's 49 padded copies of ``g`` summed (the ~10 ms of ConvNeXt's ~18 ms
+    step on XLA:CPU, ``benchmarks/conv_cpu.py``); parity is the cases above."""
+    module, x = _case("2d_depthwise_7x7")
+    f, params, xj = _lowered(module, x)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: f(p, x).sum(), argnums=(0, 1)))(params, xj)
+    pads = str(jaxpr).count(" pad[")  # the input's (the primal's and the forward's), g's
+    assert pads <= 3, f"{pads} pads in the gradient's jaxpr (100 before: 2 a tap)"
 
 
 def test_conv_plan_by_shape_and_backend() -> None:
