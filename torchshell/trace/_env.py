@@ -20,7 +20,6 @@ from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._hf import uncached
-from torchshell.trace._host_random import host_random_refused
 from torchshell.trace._inplace import written_through_views
 from torchshell.trace._kinks import kink_lowerings
 from torchshell.trace._lowerings import (
@@ -28,8 +27,6 @@ from torchshell.trace._lowerings import (
     bincount,
     grouped_mm,
     multilabel_margin_loss,
-    sample_dirichlet,
-    standard_gamma,
     window,
 )
 from torchshell.trace._norms import norm_lowerings
@@ -78,9 +75,6 @@ def environment(reads: Reads) -> Any:
         torch.ops.aten.mT.default: lambda x: jnp.swapaxes(x, -1, -2),  # x.mT
         torch.ops.aten.mH.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
         torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
-        # torch.distributions' argument checks (Beta(a, a).sample() in a mixup step)
-        torch.ops.aten._is_all_true.default: lambda x: jnp.all(x),
-        torch.ops.aten._is_any_true.default: lambda x: jnp.any(x),
         **_torchaudio_lowerings(),
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
@@ -93,19 +87,6 @@ def environment(reads: Reads) -> Any:
             is_jax_function=True,
             is_user_defined=True,
             needs_env=False,
-            is_view_op=False,
-        )
-    # torch.distributions' samplers (Beta(a, a).sample(): mixup), from the trace's key
-    for aten_op, sampler in (
-        (torch.ops.aten._sample_dirichlet.default, sample_dirichlet),
-        (torch.ops.aten._standard_gamma.default, standard_gamma),
-    ):
-        env._ops[aten_op] = ops_registry.Operator(
-            aten_op,
-            sampler,
-            is_jax_function=True,
-            is_user_defined=True,
-            needs_env=True,
             is_view_op=False,
         )
     # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
@@ -243,14 +224,8 @@ def tracing() -> Iterator[None]:
         for (module, name), loss in losses.items():
             setattr(module, name, _class_index_checked(loss))
         # constants fold (ops over traced values do not: folded_when_concrete)
-        with (
-            jax.ensure_compile_time_eval(),
-            packed_as_masks(),  # packed sequences are masks
-            hf_ctc_shape_static(),
-            uncached(),
-            host_random_refused(),  # np.random.beta in a step: one draw reused, refused
-        ):
-            yield
+        with jax.ensure_compile_time_eval(), packed_as_masks(), hf_ctc_shape_static(), uncached():
+            yield  # packed sequences are masks
     finally:
         for (module, name), check in {**checks, **losses}.items():
             setattr(module, name, check)
