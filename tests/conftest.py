@@ -29,6 +29,7 @@ SLOW_FIRST = (
     "tests/torchshell/test_port_audio.py",
     "tests/test_kill_campaign.py",
     "tests/torchshell/test_torch_patterns.py",
+    "tests/torchshell/test_trace_ops.py",
     "tests/torchshell/test_cli_errors.py",
 )
 
