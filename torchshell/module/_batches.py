@@ -183,21 +183,30 @@ class HostOnly:
     tensors (``{"tokens": ..., "id": ["s0", "s1"]}``); plain Lightning hands them to
     ``training_step``, which usually ignores them. A compiled step takes arrays only, and such
     values change every batch, so they cannot be compiled in as constants either: the field
-    is replaced by this stand-in, a pytree node without leaves. Using it in the step raises
-    an error naming the field.
+    is replaced by this stand-in, a pytree node without leaves. Its length (a list of ids
+    has one per row: ``self.log(..., batch_size=len(batch["id"]))``) is part of its static
+    structure, as the tensors' shapes are; any other use in the step raises an error naming
+    the field.
 
     Example:
-        >>> h = HostOnly("['id']", "list")
+        >>> h = HostOnly("['id']", "list", 2)
         >>> len(h)
+        2
+        >>> h[0]
         Traceback (most recent call last):
         ...
         jaxcore._errors.BatchError: The batch field ['id'] holds a list, not a tensor: ...
     """
 
-    __slots__ = ("kind", "path")
+    __slots__ = ("kind", "path", "size")
 
-    def __init__(self, path: str, kind: str) -> None:
-        self.path, self.kind = path, kind
+    def __init__(self, path: str, kind: str, size: int | None = None) -> None:
+        self.path, self.kind, self.size = path, kind, size
+
+    def __len__(self) -> int:
+        if self.size is None:
+            return self._refuse()
+        return self.size
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise BatchError(
@@ -208,7 +217,7 @@ class HostOnly:
             "batch as the DataLoader made it)."
         )
 
-    __len__ = __iter__ = __getitem__ = __contains__ = __bool__ = _refuse
+    __iter__ = __getitem__ = __contains__ = __bool__ = _refuse
     __eq__ = __add__ = __mul__ = __call__ = _refuse  # type: ignore[assignment]
     __hash__ = None  # type: ignore[assignment]
 
@@ -222,7 +231,7 @@ class HostOnly:
 
 
 jax.tree_util.register_pytree_node(
-    HostOnly, lambda h: ((), (h.path, h.kind)), lambda aux, _: HostOnly(*aux)
+    HostOnly, lambda h: ((), (h.path, h.kind, h.size)), lambda aux, _: HostOnly(*aux)
 )
 
 
@@ -260,7 +269,9 @@ def host_fields_out(batch: Any) -> Any:
     def swap(path: Any, x: Any) -> Any:
         if x is None or isinstance(x, torch.Tensor | jax.Array):
             return x
-        return HostOnly(jax.tree_util.keystr(path) or "(the whole batch)", type(x).__name__)
+        size = len(x) if isinstance(x, list | tuple) else None
+        name = jax.tree_util.keystr(path) or "(the whole batch)"
+        return HostOnly(name, type(x).__name__, size)
 
     return jax.tree_util.tree_map_with_path(swap, batch, is_leaf=_host_leaf)
 

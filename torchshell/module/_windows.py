@@ -41,7 +41,7 @@ import torch
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.module._batches import rows
+from torchshell.module._batches import HostOnly, rows
 
 __all__ = ["Windows", "choose_k", "resolve_steps_per_call"]
 
@@ -201,6 +201,7 @@ class Windows:
         padded = [b if rows(b) == n else bridge.pad_batch(b, n) for b in batches]
         if any("mask" in b for b in padded):
             padded = [bridge.pad_batch(b, n) for b in padded]
+        padded = [_sizeless(b) for b in padded]  # (a short batch's list fields, padded)
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)  # (nested, host-only)
         jbatch = bridge.to_jax(stacked, placement.window, stats=placement.stats)
         if "mask" not in jbatch:
@@ -209,3 +210,14 @@ class Windows:
             self.step = window_step(k)
         self.runs += 1
         return self.step(state, jbatch)  # type: ignore[no-any-return]
+
+
+def _sizeless(batch: Any) -> Any:
+    """``batch`` with its :class:`HostOnly` stand-ins' lengths dropped, so that the batches
+    of a window (a short one padded) stack with one structure (the Flax step never reads a
+    host field)."""
+    return jax.tree.map(
+        lambda x: HostOnly(x.path, x.kind) if isinstance(x, HostOnly) else x,
+        batch,
+        is_leaf=lambda x: isinstance(x, HostOnly),
+    )

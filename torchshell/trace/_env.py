@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,10 +17,12 @@ import torch.nn.functional as F
 
 from torchshell._errors import TorchModelError
 from torchshell.trace._attention import mha_forward, sdpa
+from torchshell.trace._autocast import user_autocast
 from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._hf import uncached
+from torchshell.trace._host_random import host_random_refused
 from torchshell.trace._inplace import written_through_views
 from torchshell.trace._kinks import kink_lowerings
 from torchshell.trace._lowerings import (
@@ -27,6 +30,8 @@ from torchshell.trace._lowerings import (
     bincount,
     grouped_mm,
     multilabel_margin_loss,
+    sample_dirichlet,
+    standard_gamma,
     window,
 )
 from torchshell.trace._norms import norm_lowerings
@@ -75,6 +80,9 @@ def environment(reads: Reads) -> Any:
         torch.ops.aten.mT.default: lambda x: jnp.swapaxes(x, -1, -2),  # x.mT
         torch.ops.aten.mH.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
         torch.ops.aten.adjoint.default: lambda x: jnp.conj(jnp.swapaxes(x, -1, -2)),
+        # torch.distributions' argument checks (Beta(a, a).sample() in a mixup step)
+        torch.ops.aten._is_all_true.default: lambda x: jnp.all(x),
+        torch.ops.aten._is_any_true.default: lambda x: jnp.any(x),
         **_torchaudio_lowerings(),
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
@@ -87,6 +95,19 @@ def environment(reads: Reads) -> Any:
             is_jax_function=True,
             is_user_defined=True,
             needs_env=False,
+            is_view_op=False,
+        )
+    # torch.distributions' samplers (Beta(a, a).sample(): mixup), from the trace's key
+    for aten_op, sampler in (
+        (torch.ops.aten._sample_dirichlet.default, sample_dirichlet),
+        (torch.ops.aten._standard_gamma.default, standard_gamma),
+    ):
+        env._ops[aten_op] = ops_registry.Operator(
+            aten_op,
+            sampler,
+            is_jax_function=True,
+            is_user_defined=True,
+            needs_env=True,
             is_view_op=False,
         )
     # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
@@ -111,7 +132,8 @@ def environment(reads: Reads) -> Any:
     install_ops(env)
     scalar_reads(env, reads)
     # in-place ops on a slice (``bias[C:2*C].zero_()``) write through to the sliced tensor
-    env.dispatch = folded_when_concrete(written_through_views(env))
+    # ... under the user's own torch.autocast regions (torchax keeps its own autocast dtype)
+    env.dispatch = user_autocast(env, folded_when_concrete(written_through_views(env)))
     # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
     # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
@@ -200,6 +222,10 @@ def tracing() -> Iterator[None]:
     predictions, a shape that depends on values), so its functional metrics
     (``torchmetrics.functional.accuracy(preds, y, task="multiclass", ...)``) trace.
 
+    numpy's and Python's global random draws raise (:mod:`._host_random`: one draw would be
+    reused by every step); an autocast region around the trace (Lightning's precision
+    plugin) is off, the user's own inside it is honoured (:mod:`._autocast`).
+
     Attention (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``) is one fused
     ``jax.nn.dot_product_attention`` call (:mod:`._attention`). What torch still computes by
     its math path (``nn.MultiheadAttention``'s weights with ``need_weights=True``) is allowed
@@ -224,8 +250,21 @@ def tracing() -> Iterator[None]:
         for (module, name), loss in losses.items():
             setattr(module, name, _class_index_checked(loss))
         # constants fold (ops over traced values do not: folded_when_concrete)
-        with jax.ensure_compile_time_eval(), packed_as_masks(), hf_ctc_shape_static(), uncached():
-            yield  # packed sequences are masks
+        with (
+            jax.ensure_compile_time_eval(),
+            packed_as_masks(),  # packed sequences are masks
+            hf_ctc_shape_static(),
+            uncached(),
+            host_random_refused(),  # np.random.beta in a step: one draw reused, refused
+            warnings.catch_warnings(),
+            # Lightning's precision plugin's region is not the step's (the JAX step has its
+            # compute dtype); the user's own torch.autocast inside it is (user_autocast)
+            torch.autocast("cpu", enabled=False),
+        ):
+            # checkpoint(fn, x, use_reentrant=True) on traced inputs (no requires_grad):
+            # jax.grad differentiates through it all the same
+            warnings.filterwarnings("ignore", "None of the inputs have requires_grad=True")
+            yield
     finally:
         for (module, name), check in {**checks, **losses}.items():
             setattr(module, name, check)

@@ -136,3 +136,34 @@ def grouped_mm(
     return out.astype(
         mappings.t2j_dtype(out_dtype) if isinstance(out_dtype, torch.dtype) else out_dtype
     )
+
+
+def sample_dirichlet(alpha: jax.Array, generator: Any = None, *, env: Any) -> jax.Array:
+    """``torch._sample_dirichlet`` (behind ``torch.distributions.Beta``/``Dirichlet``'s
+    ``sample()``, mixup's lambda): a draw from the trace's key, new every step.
+
+    Example:
+        >>> import torchax
+        >>> env = torchax.tensor.Environment()  # (a trace's own; not the process-wide one)
+        >>> x = sample_dirichlet(jnp.full((4, 2), 0.4), env=env)
+        >>> x.shape, bool(jnp.allclose(x.sum(-1), 1.0))
+        ((4, 2), True)
+    """
+    key = env.get_and_rotate_prng_key(generator)
+    draw = jax.random.dirichlet(key, alpha.astype(jnp.float32))
+    return draw.astype(alpha.dtype)
+
+
+def standard_gamma(alpha: jax.Array, generator: Any = None, *, env: Any) -> jax.Array:
+    """``torch._standard_gamma`` (``torch.distributions.Gamma``, ``Beta.rsample()``): a
+    draw from the trace's key, differentiable in ``alpha`` as torch's is.
+
+    Example:
+        >>> import torchax
+        >>> env = torchax.tensor.Environment()  # (a trace's own; not the process-wide one)
+        >>> x = standard_gamma(jnp.full((3,), 2.0), env=env)
+        >>> x.shape, bool((x > 0).all())
+        ((3,), True)
+    """
+    key = env.get_and_rotate_prng_key(generator)
+    return jax.random.gamma(key, alpha.astype(jnp.float32)).astype(alpha.dtype)
