@@ -27,17 +27,11 @@ import jax.numpy as jnp
 import optax
 
 from jaxcore._errors import BatchError
+from jaxcore._inputs import input_where, window_input_where
 from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows
 from jaxcore.compile import Step, check_positive
 from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
-from jaxcore.guard import (
-    check_policy,
-    checked,
-    finite_ok,
-    guarded,
-    input_where,
-    window_input_where,
-)
+from jaxcore.guard import check_policy, checked, finite_ok, guarded
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.state import TrainState

@@ -42,6 +42,7 @@ from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
 from torchshell.trace._hf import no_kv_cache
 from torchshell.trace._messages import is_lowering_error, is_raw, lowering_error
+from torchshell.trace._ops import reduced_compute
 from torchshell.trace._state_dict import params_to_state_dict
 from torchshell.trace._static import STATIC_KEY, StaticSpec, _concrete, _inputs, specialise_batch
 
@@ -176,6 +177,7 @@ class TorchTracer:
             env,
             env.override_property(prng=rng),
             torch.device("jax"),
+            reduced_compute(params, self.params0),  # (bf16 compute: fp32 buffers allowed)
         ):
             try:
                 out = torch.func.functional_call(

@@ -13,17 +13,18 @@
 - ``Tensor.normal_`` failed in torchax (no functional ``aten::normal`` overload takes its
   arguments); ``normal_``/``uniform_`` draw from the step's key, in the tensor's dtype, with
   torch's argument checks.
-- Matmuls and convolutions refuse operands of different dtypes at trace time, as torch does
-  (``mat1 and mat2 must have the same dtype``), where JAX would promote silently (a
-  bfloat16 batch into a float32 ``nn.Linear`` trained in float32).
+- Matmuls and convolutions refuse operands of different dtypes at trace time as torch does,
+  where JAX would promote silently (a bf16 batch into an fp32 ``nn.Linear``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -200,14 +201,8 @@ def _random_(env: Any, kind: str) -> Callable[..., jax.Array]:
 
 # -- dtype refusals ---------------------------------------------------------------------------
 
-_TORCH_NAMES = {
-    "float32": "Float",
-    "float64": "Double",
-    "float16": "Half",
-    "bfloat16": "BFloat16",
-    "int32": "Int",
-    "int64": "Long",
-}
+_TORCH_NAMES = {"float32": "Float", "float64": "Double", "float16": "Half"}
+_TORCH_NAMES |= {"bfloat16": "BFloat16", "int32": "Int", "int64": "Long"}
 
 
 def _dtype_name(x: Any) -> str:
@@ -252,31 +247,35 @@ def _same_dtypes(name: str, names: Sequence[str], func: Callable[..., Any]) -> C
     def checked(*args: Any, **kwargs: Any) -> Any:
         given = {**dict(zip(names, args, strict=False)), **kwargs}  # (defaults not given)
         tensors = {k: v for k, v in given.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
-        if len({_dtype_name(v) for v in tensors.values()}) > 1 and not _reduced_compute():
+        if len({_dtype_name(v) for v in tensors.values()}) > 1 and not _REDUCED.get():
             raise _mixed(name, tensors, conv)
         return func(*args, **kwargs)
 
     return checked
 
 
-def _reduced_compute() -> bool:
-    """Whether the traced call runs with its params cast to another dtype than the
-    module's (``compute_dtype="bfloat16"``, ``Trainer(precision="bf16-mixed")``): as under
-    ``torch.autocast``, a matmul then takes float32 buffers and frozen weights beside
-    bfloat16 inputs."""
-    from torchshell.torch_model import TorchTracer  # (imports this package)
+_REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar("reduced_compute", default=False)
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        tracer = frame.f_locals.get("self")
-        if frame.f_code.co_name == "_run" and isinstance(tracer, TorchTracer):
-            params, params0 = frame.f_locals.get("params") or {}, tracer.params0
-            return any(
-                k in params0 and jnp.dtype(v.dtype) != jnp.dtype(params0[k].dtype)
-                for k, v in params.items()
-            )
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+
+@contextlib.contextmanager
+def reduced_compute(params: Any, params0: Any) -> Iterator[None]:
+    """Marks a traced call whose params are cast from the module's dtype (bf16 compute): as
+    under ``torch.autocast``, :func:`_same_dtypes` then lets fp32 buffers meet bf16 inputs.
+
+    Example:
+        >>> with reduced_compute({"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.ones(2)}):
+        ...     _REDUCED.get()
+        True
+    """
+    cast = any(
+        k in params0 and jnp.dtype(v.dtype) != jnp.dtype(params0[k].dtype)
+        for k, v in params.items()
+    )
+    token = _REDUCED.set(cast)
+    try:
+        yield
+    finally:
+        _REDUCED.reset(token)
 
 
 def _mixed(op: str, tensors: dict[str, Any], conv: bool) -> TorchModelError:
