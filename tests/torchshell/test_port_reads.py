@@ -28,6 +28,7 @@ from tests.torchshell.port_helpers import net
 from tests.torchshell.test_port import Recorder
 from tests.torchshell.test_port_manual import _trainer, _weights
 from tests.torchshell.test_port_manual_docs import _data
+from tests.torchshell.test_port_trainer_reads import EpochWeighted
 from torchshell import JaxModule
 from torchshell._errors import ConfigError, TorchModelError
 
@@ -185,25 +186,6 @@ def test_global_step_as_a_python_number_is_refused(tmp_path: Path) -> None:
     assert "Fix:" in str(err.value)
 
 
-class EpochRead(L.LightningModule):
-    """A loss weighted by the epoch and the epoch's last batch (one program per value set)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = net()
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y) * (1.0 + 0.1 * self.current_epoch)
-        if self.trainer.is_last_batch:
-            loss = loss * 0.5
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 class _Held(L.Callback):
     """Weak references to every program the module keeps, and how many it keeps, per epoch."""
 
@@ -221,7 +203,9 @@ class _Held(L.Callback):
 
 def test_epoch_programs_are_capped(tmp_path: Path) -> None:
     held = _Held()
-    plain, ported, rows, _ = _fit(EpochRead, tmp_path, n_batches=3, max_epochs=5, callbacks=[held])
+    plain, ported, rows, _ = _fit(
+        EpochWeighted, tmp_path, n_batches=3, max_epochs=5, callbacks=[held]
+    )
     _same(plain, ported, rows, "train_loss")
     assert held.held == [2] * 5  # this epoch's two (last batch or not), not 2 per epoch
     gc.collect()

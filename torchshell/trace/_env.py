@@ -88,28 +88,21 @@ def environment(reads: Reads) -> Any:
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
         **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
     }
-    for aten_op, lowering in lowerings.items():
-        env._ops[aten_op] = ops_registry.Operator(
-            aten_op,
-            lowering,
-            is_jax_function=True,
-            is_user_defined=True,
-            needs_env=False,
-            is_view_op=False,
-        )
-    # torch.distributions' samplers (Beta(a, a).sample(): mixup), from the trace's key
-    for aten_op, sampler in (
-        (torch.ops.aten._sample_dirichlet.default, sample_dirichlet),
-        (torch.ops.aten._standard_gamma.default, standard_gamma),
-    ):
-        env._ops[aten_op] = ops_registry.Operator(
-            aten_op,
-            sampler,
-            is_jax_function=True,
-            is_user_defined=True,
-            needs_env=True,
-            is_view_op=False,
-        )
+    # torch.distributions' samplers (Beta(a, a).sample(): mixup) draw from the trace's key
+    samplers = {
+        torch.ops.aten._sample_dirichlet.default: sample_dirichlet,
+        torch.ops.aten._standard_gamma.default: standard_gamma,
+    }
+    for table, needs_env in ((lowerings, False), (samplers, True)):
+        for aten_op, lowering in table.items():
+            env._ops[aten_op] = ops_registry.Operator(
+                aten_op,
+                lowering,
+                is_jax_function=True,
+                is_user_defined=True,
+                needs_env=needs_env,
+                is_view_op=False,
+            )
     # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
     for function in (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         env._ops[function] = ops_registry.Operator(
