@@ -3,8 +3,9 @@
 # pyproject.toml (or the checkout's location) changed.
 VENV ?= .venv
 # the suite in two worker processes, each test file whole in one (its module fixtures run once),
-# files in collection order: tests/conftest.py puts the ones that take minutes first
-PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
+# files in collection order: tests/conftest.py puts the ones that take minutes first; the 30
+# slowest tests are listed at the end (the suite should stay near 20 minutes on 2 cores)
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 # torch and torchaudio are CUDA builds on the registry (~8 GB with their nvidia libraries):
