@@ -1,12 +1,19 @@
 """The part of :class:`~torchshell.module.JaxModule` that hands the JAX state to checkpoints
 and back, and the trained weights to the user's torch module (see
-:mod:`torchshell.module._parts` for the other parts)."""
+:mod:`torchshell.module._parts` for the other parts).
+
+What a checkpoint holds beyond the JAX state (the user's own layout) is the adapter's:
+:class:`CheckpointLayout` is its checkpoint group (``adapter.checkpoint``), which the hooks
+here call; the Flax and torch adapters' adds nothing.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 
 import jaxcore
@@ -15,7 +22,7 @@ from torchshell._errors import ConfigError
 from torchshell.checkpoint._orbax import restore_state
 from torchshell.module._parts import _Shared
 
-__all__ = ["CheckpointPart"]
+__all__ = ["CheckpointLayout", "CheckpointPart"]
 
 
 class CheckpointPart(_Shared):
@@ -36,9 +43,11 @@ class CheckpointPart(_Shared):
         As in Lightning, which calls ``configure_optimizers`` at every ``fit``: the weights
         carry over, the optimizer state (momentum, Adam moments) and the schedule's step do
         not (:func:`jaxcore.restart_optimizer`). ``fit(ckpt_path=...)`` restores them instead.
+        Then the adapter's optimizer group's ``on_fit_start`` (the port's scheduler configs).
         """
         if self.state is not None and self.trainer.ckpt_path is None:
             self.state = jaxcore.restart_optimizer(self.state, self.optimizer())
+        self.adapter.optim.on_fit_start(self)
 
     def on_fit_end(self) -> None:
         """A ``from_torch``/``from_lightning`` module holds the trained weights after ``fit``.
@@ -58,6 +67,7 @@ class CheckpointPart(_Shared):
             with torch.no_grad():
                 module.load_state_dict(self.torch_state_dict(), strict=True)
             self._synced = self.state
+            self.adapter.checkpoint.synced(self)
 
     def _restore_without_steps(self) -> None:
         """Builds the restored state from one training batch's shapes (nothing trains)."""
@@ -90,6 +100,7 @@ class CheckpointPart(_Shared):
         _state_io.save_rng(checkpoint)
         if self.state is not None and not self._orbax_io():  # a plain Lightning file
             checkpoint[_state_io.STATE_KEY] = _state_io.state_to_tensors(self.state)
+        self.adapter.checkpoint.save(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         _state_io.load_rng(checkpoint)
@@ -99,3 +110,50 @@ class CheckpointPart(_Shared):
                 self.state = _state_io.state_from_tensors(tensors, self.state)
             else:
                 self._restore_tensors = tensors
+        self.adapter.checkpoint.load(self, checkpoint)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """The checkpoint's ``state_dict``, as the adapter's checkpoint group reads it."""
+        return self.adapter.checkpoint.load_state_dict(self, state_dict, strict, assign)
+
+
+class CheckpointLayout:
+    """The adapter's checkpoint group (``adapter.checkpoint``): the Flax and torch adapters'.
+
+    The protocol the module's hooks call, each method given the
+    :class:`~torchshell.module.JaxModule`. The JAX state and the RNG are written and read by
+    the module itself (:class:`CheckpointPart`), whatever the adapter; a group adds the
+    user's own layout (``LightningAdapter``'s: :mod:`torchshell.port._ckpt_part`). This one
+    adds nothing.
+
+    Example:
+        >>> checkpoint = {}
+        >>> CheckpointLayout().save(None, checkpoint)
+        >>> checkpoint
+        {}
+    """
+
+    def save(self, module: Any, checkpoint: dict[str, Any]) -> None:
+        """``on_save_checkpoint``, after the JAX state and the RNG were written."""
+
+    def load(self, module: Any, checkpoint: dict[str, Any]) -> None:
+        """``on_load_checkpoint``, after the JAX state and the RNG were read."""
+
+    def load_state_dict(
+        self, module: Any, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``JaxModule.load_state_dict`` (Lightning's restore, after :meth:`load`): the
+        module's own torch parameters (none), as ``LightningModule`` loads them."""
+        return L.LightningModule.load_state_dict(module, state_dict, strict=strict, assign=assign)
+
+    def restored(self, module: Any, state: Any) -> Any:
+        """The state just built from the first batch, with what a restore held for it."""
+        return state
+
+    def synced(self, module: Any) -> None:
+        """After the trained weights were loaded into ``module.torch_module``."""
+
+    def before_step(self, module: Any) -> None:
+        """At the start of every ``training_step``, before the batch is handed over."""

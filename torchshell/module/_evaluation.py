@@ -5,6 +5,10 @@ process hands over its own rows (its share of a loader that a ``DistributedSampl
 see :func:`torchshell.data.eval_shard`), and the step's masked sums and ``count`` cover the
 rows of all processes. The rows such a sampler repeats to even out the shards are masked
 here, so the epoch means are those of one process over the same rows.
+
+What Lightning's ``validation_step``/``test_step``/``predict_step`` run is the adapter's
+(``adapter.evaluation``): :class:`EvalHooks` for the Flax and torch paths, the port's
+``LightningEvaluation`` (:mod:`torchshell.port._user`, the user's own hooks traced).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torchshell.data._sampler import real_rows, shard_sampler
 from torchshell.module._batches import rows
 from torchshell.module._parts import _Shared
 
-__all__ = ["Evaluation", "EvaluationPart"]
+__all__ = ["EvalHooks", "Evaluation", "EvaluationPart"]
 
 
 class Evaluation:
@@ -112,28 +116,70 @@ def eval_loader(trainer: Any, dataloader_idx: int | None) -> Any:
     return loaders[idx] if idx < len(loaders) else None
 
 
-class EvaluationPart(_Shared):
-    """The Lightning hooks of evaluation and prediction, over the module's :class:`Evaluation`."""
+class EvalHooks:
+    """What the evaluation hooks run: the Flax and torch adapters' ``evaluation``.
 
-    def _eval(self, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
-        ev = self.evaluation
-        batch = self.adapter.prepare(batch)
+    The model's loss function over each batch, added up on device as exact masked sums of
+    the module's :class:`Evaluation` (logged as means at the epoch's end), and the model's
+    outputs for prediction. Each method receives the :class:`~torchshell.module.JaxModule`
+    whose Lightning hook of the same name calls it, and returns what that hook returns.
+    """
+
+    def validation_step(
+        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
+    ) -> None:
+        """One validation batch's masked sums, added to its loader's epoch; returns nothing."""
+        self._add_sums(module, batch, batch_idx, dataloader_idx)
+
+    def test_step(
+        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
+    ) -> None:
+        """One test batch's masked sums, added to its loader's epoch; returns nothing."""
+        self._add_sums(module, batch, batch_idx, dataloader_idx)
+
+    def predict_step(
+        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
+    ) -> Any:
+        """The model's outputs for the batch's real rows, as torch tensors."""
+        batch = module.adapter.prepare(batch)
+        state = module.init_state(batch)
+        ev = module.evaluation
+        if ev.predict_step is None:
+            ev.predict_step = jaxcore.make_predict_step(
+                module.model_fns, compute_dtype=module._compute_dtype, input_checks=True
+            )
+        n = rows(batch)
+        outputs, check = ev.predict_step(state, module.adapter.to_jax(batch, train=False))
+        raise_failed(check, "in a predict batch")  # (the outputs come to the host anyway)
+        return bridge.to_torch(outputs)[:n]
+
+    def _add_sums(
+        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
+    ) -> None:
+        ev, adapter = module.evaluation, module.adapter
+        batch = adapter.prepare(batch)
         batch = ev.unrepeated(
-            batch, batch_idx, dataloader_idx, lambda: self._eval_loader(dataloader_idx)
+            batch, batch_idx, dataloader_idx, lambda: module._eval_loader(dataloader_idx)
         )
-        state = self.init_state(batch)
+        state = module.init_state(batch)
         if ev.step is None:
             ev.step = jaxcore.make_eval_step(
-                self.model_fns,
-                self.loss_fn,
+                module.model_fns,
+                module.loss_fn,
                 state_sharding=jaxcore.state_shardings(state),
                 batch_sharding=None,  # the arrays' own (placed leaf by leaf by the bridge)
-                compute_dtype=self._compute_dtype,
+                compute_dtype=module._compute_dtype,
                 input_checks=True,
             )
-        with self.adapter.checked(batch):
-            sums, check = ev.step(state, self.adapter.to_jax(batch, train=False))
+        with adapter.checked(batch):
+            sums, check = ev.step(state, adapter.to_jax(batch, train=False))
         ev.add(sums, check, dataloader_idx)
+
+
+class EvaluationPart(_Shared):
+    """The Lightning hooks of evaluation and prediction: each runs the adapter's
+    (``adapter.evaluation``, :class:`EvalHooks` by default); the epoch means of the module's
+    :class:`Evaluation` are logged at the epoch's end."""
 
     def _eval_loader(self, dataloader_idx: int | None) -> Any:
         return eval_loader(self._trainer, dataloader_idx)
@@ -150,30 +196,19 @@ class EvaluationPart(_Shared):
                 add_dataloader_idx=False,  # (named here: epoch-end hooks have no loader)
             )
 
-    # ``dataloader_idx``: passed by Lightning with several loaders only.
-    def validation_step(
-        self, batch: Any, batch_idx: int, dataloader_idx: int | None = None
-    ) -> None:
-        self._eval(batch, batch_idx, dataloader_idx)
+    # ``dataloader_idx``: passed by Lightning with several loaders only (a port's user hook
+    # then takes it too, as Lightning requires).
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return self.adapter.evaluation.validation_step(self, batch, batch_idx, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
 
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
-        self._eval(batch, batch_idx, dataloader_idx)
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return self.adapter.evaluation.test_step(self, batch, batch_idx, dataloader_idx)
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        batch = self.adapter.prepare(batch)
-        state = self.init_state(batch)
-        ev = self.evaluation
-        if ev.predict_step is None:
-            ev.predict_step = jaxcore.make_predict_step(
-                self.model_fns, compute_dtype=self._compute_dtype, input_checks=True
-            )
-        n = rows(batch)
-        outputs, check = ev.predict_step(state, self.adapter.to_jax(batch, train=False))
-        raise_failed(check, "in a predict batch")  # (the outputs come to the host anyway)
-        return bridge.to_torch(outputs)[:n]
+        return self.adapter.evaluation.predict_step(self, batch, batch_idx, dataloader_idx)

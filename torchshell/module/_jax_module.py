@@ -278,6 +278,7 @@ class JaxModule(
             self.summary = param_summary(state.params)
             if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
                 print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
+            self.state = self.adapter.checkpoint.restored(self, state)  # (the user's layout)
         return self.state
 
     # -- training ------------------------------------------------------------------------
@@ -288,6 +289,7 @@ class JaxModule(
         ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the
         loop never waits for the device.
         """
+        self.adapter.checkpoint.before_step(self)  # (the port: host code's in-place changes)
         t0 = time.perf_counter()
         raw, batch = batch, self.adapter.prepare(batch)
         if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
@@ -340,7 +342,7 @@ class JaxModule(
             progress.increment_ready()
             progress.increment_completed()
         self._last_metrics = metrics
-        self._after_step(metrics, rows_ * (micro if m > 1 else 1))
+        self.adapter.logs.after_step(self, metrics, rows_ * (micro if m > 1 else 1))
         self.train_log.compute += time.perf_counter() - t0
         if self._logging_step(before):
             self._queue_log(metrics, rows_ * (micro if m > 1 else 1))

@@ -7,8 +7,10 @@
 - :class:`~torchshell.checkpoint._part.CheckpointPart` (its own module): what a checkpoint
   holds of the JAX state, and restoring it.
 
-How batches are handed to JAX is the module's adapter's (:mod:`torchshell.module.adapters`). The
-parts share the attributes :class:`~torchshell.module.JaxModule` sets in ``__init__``.
+How batches are handed to JAX is the module's adapter's (:mod:`torchshell.module.adapters`), and
+so is the optimizer: :class:`OptaxOptimizer` is the Flax and torch adapters' group
+(``adapter.optim``), which the hooks here call. The parts share the attributes
+:class:`~torchshell.module.JaxModule` sets in ``__init__``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ Batch = Any
 # step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
 _AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
-__all__ = ["TrainerFlagsPart"]
+__all__ = ["OptaxOptimizer", "TrainerFlagsPart"]
 
 
 class _Shared(L.LightningModule):
@@ -122,6 +124,7 @@ class TrainerFlagsPart(_Shared):
     def on_train_start(self) -> None:
         self._check_workers(self.trainer.train_dataloader)
         self._read_by_gathers(self.trainer.train_dataloader)
+        self.adapter.optim.on_train_start(self)
 
     def _read_by_gathers(self, loaders: Any) -> None:
         """Plain ``TensorDataset`` loaders gather their batches while this run lasts (the same
@@ -224,16 +227,47 @@ class TrainerFlagsPart(_Shared):
         self._flag_originals = None
 
     def configure_optimizers(self) -> Any:
-        """No torch optimizer: the optax optimizer runs inside the JAX step."""
-        return []  # (an empty list, unlike None, is a valid "no optimizer" for Lightning)
+        """What the adapter's optimizer group hands Lightning (:class:`OptaxOptimizer`)."""
+        return self.adapter.optim.configure_optimizers(self)
 
     def optimizer(self) -> optax.GradientTransformation:
-        """The optax transform the step applies: the Trainer's clipping, then ``tx``."""
-        if self.tx is None:
+        """The optax transform the step applies (the adapter's optimizer group's)."""
+        return self.adapter.optim.optimizer(self)  # type: ignore[no-any-return]
+
+
+class OptaxOptimizer:
+    """The adapter's optimizer group (``adapter.optim``): the Flax and torch adapters' one.
+
+    The protocol the module's hooks call, each method given the
+    :class:`~torchshell.module.JaxModule`; ``LightningAdapter``'s maps the user's
+    ``configure_optimizers`` instead (:mod:`torchshell.port._optim_part`).
+
+    Example:
+        >>> OptaxOptimizer().configure_optimizers(None)
+        []
+    """
+
+    def configure_optimizers(self, module: Any) -> Any:
+        """``JaxModule.configure_optimizers``: no torch optimizer, the optax one runs inside
+        the JAX step."""
+        return []  # (an empty list, unlike None, is a valid "no optimizer" for Lightning)
+
+    def optimizer(self, module: Any) -> optax.GradientTransformation:
+        """The optax transform the step applies: the Trainer's clipping, then ``module.tx``
+        (called when the state and the train step are built)."""
+        if module.tx is None:
             raise ConfigError(
                 "JaxModule needs an optax optimizer. Fix: pass optimizer=... (e.g. "
                 "jaxcore.make_optimizer(lr=1e-3))."
             )
-        if self.flags.clip_val is None:
-            return self.tx
-        return optax.chain(torch_clip(self.flags.clip_val, self.flags.clip_algorithm), self.tx)
+        flags = module.flags
+        if flags.clip_val is None:
+            return module.tx  # type: ignore[no-any-return]
+        return optax.chain(torch_clip(flags.clip_val, flags.clip_algorithm), module.tx)
+
+    def on_fit_start(self, module: Any) -> None:
+        """At every ``fit``, after a new fit of a trained module restarted the optimizer
+        state (nothing more here)."""
+
+    def on_train_start(self, module: Any) -> None:
+        """Once per ``fit``, before the first batch, the run's loaders known (nothing here)."""

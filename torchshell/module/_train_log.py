@@ -9,6 +9,10 @@ logger step for them, see :meth:`TrainLogPart._log_step`), however late they are
 coreshell's own figures (throughput here, compile and transfer statistics in
 :class:`~torchshell.module._train_parts.TrainLogPart`) are named under :data:`OWN` (``coreshell/``),
 so they never shadow a name the user logs.
+
+What is logged and under which names is the adapter's (``Adapter.logs``): :class:`TrainLogs`
+for the Flax and torch paths, ``LightningLogs`` (:mod:`torchshell.port._user`) for a ported
+``LightningModule``.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import torch
 
-__all__ = ["OWN", "TrainLog", "find_lrs"]
+__all__ = ["OWN", "TrainLog", "TrainLogs", "find_lrs"]
 
 OWN = "coreshell/"  # the prefix of coreshell's own telemetry (throughput, compile, bridge)
 
@@ -117,3 +122,67 @@ class TrainLog:
 def fresh(tree: dict[str, Any]) -> dict[str, jax.Array]:
     """Copies of metric arrays (a donated state's buffers must not be kept)."""
     return {k: jnp.array(v) for k, v in tree.items()}
+
+
+class TrainLogs:
+    """What training logs and under which names: the Flax and torch adapters' ``logs``.
+
+    The model's loss function names its metrics, logged as ``train/<name>``, with the step's
+    learning rate and refused-step count under :attr:`own_train`. Each method receives the
+    :class:`~torchshell.module.JaxModule` whose hook calls it; the port's ``LightningLogs``
+    gives the user's ``self.log`` names and options through the same calls.
+
+    Example:
+        >>> logs = TrainLogs()
+        >>> sorted(logs.train_values(None, {"loss": 1.0, "acc": 0.5}))
+        ['train/acc', 'train/loss']
+    """
+
+    own_train = "train/"  # the prefix of the step's own loss, learning rate, refused steps
+
+    def train_values(self, module: Any, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """A logging step's on-device values under their logged names."""
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def user_names(self, module: Any) -> set[str]:
+        """Names the user logs (the progress bar keeps their values): none here."""
+        return set()
+
+    def align_logger_step(self, module: Any) -> None:
+        """Before each training batch: Lightning's logger step is left as it is."""
+
+    def log_step(self, module: Any) -> int:
+        """The logger step of the values of the step that just ran: the optimizer steps done
+        (``global_step``)."""
+        return int(module.trainer.global_step)
+
+    def emit(
+        self,
+        module: Any,
+        logs: dict[str, float],
+        step: int,
+        progress_bar: bool,
+        epoch: int | None = None,
+    ) -> None:
+        """One logging step's host values, all logged (``JaxModule._log_values``)."""
+        module._log_values(logs, step, progress_bar, epoch)
+
+    def after_step(self, module: Any, metrics: dict[str, jax.Array], rows: int) -> None:
+        """After every compiled step (``rows``: its rows): nothing to add up here."""
+
+    def train_epoch_end(self, module: Any) -> None:
+        """At ``on_train_epoch_end``: no epoch values here (the loss function's are per step)."""
+
+    def last_step_values(self, module: Any) -> None:
+        """At ``on_train_end``: ``callback_metrics`` end with the last step's values, as in
+        plain Lightning.
+
+        Also when it was not a logging step (a run shorter than ``log_every_n_steps``): one
+        fetch per fit. Reading ``state`` first runs any buffered batches.
+        """
+        if module.state is None or not module._last_metrics:
+            return
+        last = jax.device_get(self.train_values(module, module._last_metrics))
+        module.trainer.callback_metrics.update(
+            {k: torch.tensor(float(np.ravel(v)[-1])) for k, v in last.items()}
+        )

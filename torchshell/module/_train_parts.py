@@ -5,7 +5,8 @@
   windows, the NaN guard), compiled beside the state's init on the first batch;
 - :class:`TrainLogPart`: what a training step gives back to Lightning: the values logged at
   the logging cadence (to the loggers, ``callback_metrics`` and the progress bar), the
-  outputs a user callback reads, and the NaN/Inf check read at those syncs.
+  outputs a user callback reads, and the NaN/Inf check read at those syncs. Which values and
+  under which names is the adapter's (``adapter.logs``: :class:`~._train_log.TrainLogs`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class StepPart(_Shared):
 
     def on_train_epoch_end(self) -> None:
         self.accumulation.clear()  # (a window never spans epochs: the last batch closes it)
+        self.adapter.logs.train_epoch_end(self)  # (the port's epoch means)
 
     @property
     def window_k(self) -> int | None:
@@ -166,10 +168,8 @@ class StepPart(_Shared):
 
 
 class TrainLogPart(_Shared):
-    # The names of the step's own loss, learning rate and refused-step count. The Flax/torch
-    # path's are its model's training values (``train/*``, as its loss_fn names its
-    # metrics); the Lightning port's user names its own, so there these are coreshell's.
-    _own_train = "train/"
+    """The logging cadence and where values go; what is logged, under which names, is the
+    adapter's ``logs`` (:class:`~torchshell.module._train_log.TrainLogs`)."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_started()
@@ -179,12 +179,13 @@ class TrainLogPart(_Shared):
         self.train_log.batch_ended()
 
     def _align_logger_step(self) -> None:
-        """Where Lightning's logger step is set to the port's meaning (``UserMetrics``)."""
+        """Where Lightning's logger step is set to the adapter's meaning (``logs``)."""
+        self.adapter.logs.align_logger_step(self)
 
     def _log_step(self) -> int:
-        """The logger step of the values of the step that just ran: here the optimizer steps
-        done (``global_step``); the Lightning port logs at Lightning's own step instead."""
-        return int(self.trainer.global_step)
+        """The logger step of the values of the step that just ran: the adapter's
+        (``global_step``; the Lightning port logs at Lightning's own step instead)."""
+        return self.adapter.logs.log_step(self)  # type: ignore[no-any-return]
 
     def _logging_step(self, before: int) -> bool:
         """Whether the step that just ran (``before``: ``global_step`` before it) is a
@@ -233,9 +234,6 @@ class TrainLogPart(_Shared):
         _, loss = self._step_forward(batch, i)
         return {"loss": torch.tensor(float(loss)) / m}
 
-    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
-        """Per-step work on device metrics (epoch aggregation in the Lightning port)."""
-
     def _log_to_loggers(self, metrics: dict[str, float]) -> None:
         """coreshell's own figures (compile statistics) to the loggers, named under
         ``coreshell/``, at the step of the values they came with."""
@@ -245,21 +243,25 @@ class TrainLogPart(_Shared):
                 logger.log_metrics(own, step=self._log_step())
             self.trainer.logged_metrics.update({k: torch.tensor(v) for k, v in own.items()})
 
-    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """The on-device values of one logging step, under their logged names."""
-        return {f"train/{k}": v for k, v in metrics.items()}
-
     def _queue_log(self, metrics: dict[str, jax.Array], rows: int) -> None:
         assert self.state is not None
+        logs = self.adapter.logs
         extra: dict[str, Any] = {
-            f"{self._own_train}lr": lr for lr in find_lrs(self.state.opt_state).values()
+            f"{logs.own_train}lr": lr for lr in find_lrs(self.state.opt_state).values()
         }
         if self.nan_policy != "none":
-            extra[f"{self._own_train}nonfinite_steps"] = self.state.nonfinite
-        values = {**self._train_values(metrics), **fresh(extra)}  # copies: state is donated
+            extra[f"{logs.own_train}nonfinite_steps"] = self.state.nonfinite
+        values = {**logs.train_values(self, metrics), **fresh(extra)}  # copies: donated state
         self.train_log.queue(values, rows, self._log_step(), self.trainer.current_epoch)
 
     def _emit(
+        self, logs: dict[str, float], step: int, progress_bar: bool, epoch: int | None = None
+    ) -> None:
+        """One logging step's host values (``TrainLog``'s callback), as the adapter's ``logs``
+        emit them (which of them, under which names: through :meth:`_log_values`)."""
+        self.adapter.logs.emit(self, logs, step, progress_bar, epoch)
+
+    def _log_values(
         self, logs: dict[str, float], step: int, progress_bar: bool, epoch: int | None = None
     ) -> None:
         """Logs one logging step's host values to loggers, callbacks and the progress bar.
@@ -285,38 +287,22 @@ class TrainLogPart(_Shared):
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logs.items()})
         if progress_bar:  # (not at the end of training: the last bar has gone)
             self._progress(logs)
-        if logs.get(f"{self._own_train}nonfinite_steps", 0.0):
+        if logs.get(f"{self.adapter.logs.own_train}nonfinite_steps", 0.0):
             self._check_finite()
-
-    def _user_names(self) -> set[str]:
-        """Names the user logs (the Lightning port's ``self.log`` names)."""
-        return set()
 
     def _progress(self, logs: dict[str, float]) -> None:
         """The loss and samples/s in the progress bar only (``trainer.progress_bar_metrics``,
         which the bar reads); a name the user logs keeps its own value there."""
         bar = self.trainer.progress_bar_metrics
-        mine = {"loss": f"{self._own_train}loss", "samples/s": f"{OWN}perf/samples_per_s"}
+        own = self.adapter.logs
+        mine = {"loss": f"{own.own_train}loss", "samples/s": f"{OWN}perf/samples_per_s"}
         for name, key in mine.items():
-            if key in logs and name not in self._user_names():
+            if key in logs and name not in own.user_names(self):
                 bar[name] = logs[key]
-
-    def _last_step_values(self) -> None:
-        """``callback_metrics`` end with the last step's values, as in plain Lightning.
-
-        Also when it was not a logging step (a run shorter than ``log_every_n_steps``): one
-        fetch per fit. Reading ``state`` first runs any buffered batches.
-        """
-        if self.state is None or not self._last_metrics:
-            return
-        last = jax.device_get(self._train_values(self._last_metrics))
-        self.trainer.callback_metrics.update(
-            {k: torch.tensor(float(np.ravel(v)[-1])) for k, v in last.items()}
-        )
 
     def on_train_end(self) -> None:
         self.train_log.finish()
-        self._last_step_values()
+        self.adapter.logs.last_step_values(self)  # (callback_metrics: the last step's)
         self._check_finite()
 
     def _check_finite(self) -> None:

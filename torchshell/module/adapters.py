@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
+from torchshell.checkpoint._part import CheckpointLayout
 from torchshell.module._arrays import arrays_as_tensors
 from torchshell.module._batches import (
     check_fields,
@@ -49,7 +50,10 @@ from torchshell.module._batches import (
     rows,
     signature,
 )
+from torchshell.module._evaluation import EvalHooks
 from torchshell.module._flax_checks import check_batch
+from torchshell.module._parts import OptaxOptimizer
+from torchshell.module._train_log import TrainLogs
 from torchshell.trace._loss import (
     is_torch_loss,
     torch_function_loss,
@@ -161,7 +165,57 @@ class Adapter:
     """The protocol: what differs between the ways a model comes in (module docstring).
 
     This base class hands batches over as the Flax and torch paths do (named fields, padded
-    with a ``mask``); the adapters override what differs.
+    with a ``mask``); the adapters override what differs. The method groups it owns (as
+    Fabric's ``Strategy`` owns its ``precision`` and ``checkpoint_io``) are called by the
+    module's own hooks, each method given the ``JaxModule``:
+
+    ``optim`` (:class:`~torchshell.module._parts.OptaxOptimizer`: ``module.tx`` after the
+    Trainer's clipping; the port's maps ``configure_optimizers``):
+
+    - ``configure_optimizers(module)``: Lightning's ``configure_optimizers``; what Lightning
+      holds (``[]``: no torch optimizer).
+    - ``optimizer(module)``: when the state or a train step is built; the optax transform.
+    - ``on_fit_start(module)``, ``on_train_start(module)``: after the module's own part of
+      those hooks; ``None``.
+
+    ``checkpoint`` (:class:`~torchshell.checkpoint._part.CheckpointLayout`: the JAX state
+    alone, which the module writes itself; the port's adds the user's own layout):
+
+    - ``save(module, checkpoint)`` / ``load(module, checkpoint)``: in ``on_save_checkpoint``/
+      ``on_load_checkpoint``, after the JAX state and RNG; ``None`` (``checkpoint`` changed
+      in place).
+    - ``load_state_dict(module, state_dict, strict, assign)``: Lightning's restore of the
+      checkpoint's ``state_dict``; torch's ``_IncompatibleKeys``.
+    - ``restored(module, state)``: when the state is first built; the state to train.
+    - ``synced(module)``: after the trained weights went into ``torch_module``; ``None``.
+    - ``before_step(module)``: at the start of each ``training_step``; ``None``.
+
+    ``logs`` (:class:`~torchshell.module._train_log.TrainLogs`: the loss function's metrics
+    as ``train/<name>``; the port's are the user's ``self.log`` names and options):
+
+    - ``own_train``: the prefix of the step's own loss, learning rate and refused steps.
+    - ``train_values(module, metrics)``: at each logging step; the step's device values
+      under their logged names.
+    - ``user_names(module)``: when the progress bar is updated; the names the user logs
+      (the bar keeps their values).
+    - ``align_logger_step(module)``: at each ``on_train_batch_start``; ``None``.
+    - ``log_step(module)``: when a step's values are queued; the logger step they go to.
+    - ``emit(module, logs, step, progress_bar, epoch)``: when a logging step's values reach
+      the host (a logging step later); ``None`` (it logs them: ``module._log_values``).
+    - ``after_step(module, metrics, rows)``: after every compiled step; ``None`` (the port
+      adds up its epoch values on device).
+    - ``train_epoch_end(module)``: in ``on_train_epoch_end``; ``None`` (the port logs its
+      epoch means).
+    - ``last_step_values(module)``: in ``on_train_end``; ``None`` (``callback_metrics`` end
+      with the last step's values).
+
+    ``evaluation`` (:class:`~torchshell.module._evaluation.EvalHooks`: the loss function as
+    exact masked means; the port's runs the user's own hooks, traced):
+
+    - ``validation_step`` / ``test_step`` / ``predict_step(module, batch, batch_idx,
+      dataloader_idx)``: in Lightning's hook of that name; what that hook returns (the
+      outputs; ``None`` for the Flax/torch evaluation, whose means are logged at the
+      epoch's end).
 
     Args:
         model_fns: the model's ``init``/``apply``.
@@ -178,6 +232,10 @@ class Adapter:
         self.placement = placement
         self.batch_keys = tuple(batch_keys)
         self.fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # the plan's
+        self.optim = OptaxOptimizer()  # (the method groups: see above)
+        self.checkpoint = CheckpointLayout()
+        self.logs = TrainLogs()
+        self.evaluation = EvalHooks()
 
     # -- per batch ------------------------------------------------------------------------
     def prepare(self, batch: Any) -> Any:

@@ -27,26 +27,25 @@ from torchshell._errors import ConfigError
 from torchshell.module._batches import MicroBatches, containers_as_nodes, host_fields_out
 from torchshell.module._flax_checks import check_lengths_and_masks
 from torchshell.module.adapters import Placement, TorchAdapter
+from torchshell.port._ckpt_part import LightningCheckpoint
+from torchshell.port._optim_part import LightningOptimizer
+from torchshell.port._rows import common_rows
 from torchshell.port._trace import LightningPort
+from torchshell.port._user import LightningEvaluation, LightningLogs
 
 __all__ = ["LightningAdapter", "common_rows"]
 
 
-def common_rows(tree: Any, axis: int = 0) -> int:
-    """The size of ``axis`` shared by every array of ``tree`` with one, else 0.
-
-    Example:
-        >>> common_rows({"x": torch.ones(4, 2), "y": torch.ones(4)})
-        4
-        >>> common_rows([torch.ones(3), torch.ones(4)])
-        0
-    """
-    sizes = {t.shape[axis] for t in jax.tree.leaves(tree) if getattr(t, "ndim", 0) > axis}
-    return sizes.pop() if len(sizes) == 1 else 0
-
-
 class LightningAdapter(TorchAdapter):
     """A whole ``LightningModule`` as the JAX core (``JaxModule.from_lightning``).
+
+    Its method groups (the protocol: :class:`~torchshell.module.adapters.Adapter`): ``optim``
+    maps the user's ``configure_optimizers`` (:class:`LightningOptimizer`), ``checkpoint``
+    writes and reads the user's own layout (:class:`LightningCheckpoint`).
+    ``logs`` names the training values as the user's ``self.log`` calls do and adds up their
+    epoch means (:class:`~torchshell.port._user.LightningLogs`); ``evaluation`` runs the
+    user's ``validation_step``/``test_step``/``predict_step`` traced, their ``self.log``
+    values through Lightning's (:class:`~torchshell.port._user.LightningEvaluation`).
 
     Args:
         model_fns: the port's ``init``/``apply`` (:meth:`LightningPort.model_fns`).
@@ -57,6 +56,10 @@ class LightningAdapter(TorchAdapter):
     def __init__(self, model_fns: jaxcore.ModelFns, placement: Placement, port: LightningPort):
         super().__init__(model_fns, placement, (), port.module)
         self.port = port
+        self.optim: LightningOptimizer = LightningOptimizer(port)
+        self.checkpoint: LightningCheckpoint = LightningCheckpoint(port, self.optim)
+        self.logs: LightningLogs = LightningLogs(port)
+        self.evaluation: LightningEvaluation = LightningEvaluation(port)
 
     def prepare(self, batch: Any) -> Any:
         """The user's batch as it came, checked as torch would, host-only fields set aside."""

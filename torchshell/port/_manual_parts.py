@@ -39,8 +39,7 @@ class ManualParts:
     nan_policy: str
     trainer: Any
     _trainer: Any
-    _returned: Any
-    _pristine: Any
+    adapter: Any  # torchshell.port._adapter.LightningAdapter (its optim group: pristine)
     _synced: Any
     steps_per_call: int
     accum_steps: int
@@ -100,7 +99,8 @@ class ManualParts:
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
-        self.port.manual_plan = map_manual(self._pristine, named, total_steps=4 * total + 1)
+        pristine = self.adapter.optim.pristine  # (configure_optimizers() as first returned)
+        self.port.manual_plan = map_manual(pristine, named, total_steps=4 * total + 1)
         self._train_step = None  # the tables are constants of the compiled step
         self._host_steps.clear()
         if trainer is not None and not provisional and trainer.is_global_zero:

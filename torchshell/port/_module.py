@@ -17,29 +17,22 @@ What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import optax
 import torch
 
-import jaxcore
 from torchshell._errors import ConfigError
 from torchshell.module._batches import (
     host_fields_back,
 )
 from torchshell.module._parts import _Shared
-from torchshell.optim import MappedOptimizer
 from torchshell.port._adapter import LightningAdapter
-from torchshell.port._ckpt_part import PortCheckpointPart
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._manual_parts import ManualParts
-from torchshell.port._optim_part import PortOptimizerPart
 from torchshell.port._prepare import check_trainable, layers_changed
-from torchshell.port._repeats import RepeatedRows
 from torchshell.port._trace import LightningPort
-from torchshell.port._user import UserEvaluation, UserMetrics
 from torchshell.port._weights import synced_on_read
 
 __all__ = ["LightningParts"]
@@ -92,9 +85,7 @@ _OPTIMIZER_HOOKS = (
 )
 
 
-class LightningParts(
-    PortOptimizerPart, PortCheckpointPart, ManualParts, UserMetrics, UserEvaluation, _Shared
-):
+class LightningParts(ManualParts, _Shared):
     """What :class:`~torchshell.module.LightningJaxModule` adds to a ``JaxModule``.
 
     A part, not a ``JaxModule`` itself (``torchshell.module`` builds the class from it, so
@@ -129,17 +120,6 @@ class LightningParts(
         super().__init__(port.model_fns(), port.loss_fn, optimizer, **kwargs)
         object.__setattr__(self, "port", port)  # the user's module is not a submodule
         self.adapter = LightningAdapter(self.model_fns, self.placement, port)
-        self.mapped: MappedOptimizer | None = None
-        self._returned: Any = None  # configure_optimizers(): Lightning holds (and restores) it
-        self._pristine: Any = None  # a copy as first returned: the schedule is mapped from it
-        self._map_key: tuple[Any, ...] | None = None
-        self._epoch: dict[str, Any] | None = None
-        self._restore_weights: Mapping[str, torch.Tensor] | None = None
-        self._restore_optim: Mapping[str, Any] | None = None  # torch optimizer.state_dict()
-        self._restore_step = 0
-        self._eval_steps: dict[str, jaxcore.Step] = {}
-        self._repeats = RepeatedRows()  # rows a DistributedSampler repeated, per loader
-        self._host_versions: Any = None  # the user's tensors' versions when last synced
         self._manual_total: int | None = None  # the step count the manual plan was made for
         # compiled manual steps, with the Trainer values each was traced with
         self._host_steps: list[tuple[dict[str, Any], Any]] = []
@@ -154,7 +134,7 @@ class LightningParts(
 
         def on_train_epoch_end() -> None:
             epoch_end()
-            self._step_plateau()  # after every epoch-end hook, as Lightning steps it
+            self.adapter.optim.step_plateau(self)  # after every epoch-end hook, as Lightning
 
         self.on_train_epoch_end = on_train_epoch_end  # type: ignore[method-assign]
         epoch_start = self.on_train_epoch_start
@@ -163,8 +143,7 @@ class LightningParts(
             epoch_start()  # (after the callbacks' and the user's: a freeze or unfreeze there)
             # before the first step (a freeze in on_train_start): traced and mapped anew
             if self.state is None and not self.manual and port.refresh() and self.tx is None:
-                self._map_key = None
-                self._map(provisional=False)
+                self.adapter.optim.remap(self)
             optimizers = None if self.tx is not None else self.trainer.optimizers
             check_trainable(port.module, port.tracer, optimizers, self.current_epoch)
 
@@ -172,7 +151,6 @@ class LightningParts(
         for hook in _DATA_HOOKS + _TRANSFER_HOOKS:  # the module's own loaders and transforms
             if port.overrides(hook):
                 setattr(self, hook, getattr(module, hook))
-        self._configs: list[Any] = []
         if module.hparams:  # the run's params in the loggers (MLflow) are the user's
             self.save_hyperparameters(dict(module.hparams))
 
@@ -292,7 +270,7 @@ class LightningParts(
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
-            self._sync_torch_lr()
+            self.adapter.optim.sync_torch_lr(self)
         super().on_train_batch_end(outputs, batch, batch_idx)
 
     def _grads_fn(self) -> Any:
@@ -312,12 +290,3 @@ class LightningParts(
             )
         optimizers = self.trainer.optimizers if self._trainer is not None else []
         return self.port.grads_fn(hooks, optimizers[0] if optimizers else None)
-
-    # -- weights -----------------------------------------------------------------------------
-    def init_state(self, batch: Any) -> Any:
-        fresh = self.state is None
-        state = super().init_state(batch)
-        if fresh and self._restore_weights is not None:
-            self.state = self._with_weights(state, self._restore_weights)
-            self._restore_weights = None
-        return self.state

@@ -1,7 +1,12 @@
-"""The port's optimizer: the user's ``configure_optimizers`` mapped onto optax (see
-:mod:`torchshell.optim._map`), its schedulers' learning rates kept in step with the torch
-optimizers, ``ReduceLROnPlateau`` stepped on the monitored value (a part of
-:class:`~torchshell.port._module.LightningParts`)."""
+"""The port's optimizer group (``LightningAdapter.optim``): the user's ``configure_optimizers``
+mapped onto optax (see :mod:`torchshell.optim._map`), its schedulers' learning rates kept in
+step with the torch optimizers, ``ReduceLROnPlateau`` stepped on the monitored value.
+
+The group owns what the mapping needs between hooks; its methods receive the
+:class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
+:class:`~torchshell.module._parts.OptaxOptimizer`). Manual optimization's plan stays the
+module's (:class:`~torchshell.port._manual_parts.ManualParts`), called through it.
+"""
 
 from __future__ import annotations
 
@@ -16,17 +21,31 @@ import numpy as np
 import optax
 
 from torchshell._errors import ConfigError
-from torchshell.module._parts import _Shared
-from torchshell.optim import map_configure_optimizers
+from torchshell.module._parts import OptaxOptimizer
+from torchshell.optim import MappedOptimizer, map_configure_optimizers
 from torchshell.optim._rules import TorchOptState
 from torchshell.optim._sched import parse_configure_optimizers
 
-__all__ = ["PortOptimizerPart"]
+__all__ = ["LightningOptimizer"]
 
 
-class PortOptimizerPart(_Shared):
-    # -- optimizer ---------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
+class LightningOptimizer(OptaxOptimizer):
+    """The user's ``configure_optimizers``, mapped onto optax and handed to Lightning.
+
+    Args:
+        port: the traced user module (:class:`~torchshell.port._trace.LightningPort`).
+    """
+
+    def __init__(self, port: Any) -> None:
+        self.port = port
+        self.mapped: MappedOptimizer | None = None
+        self.returned: Any = None  # configure_optimizers(): Lightning holds (and restores) it
+        self.pristine: Any = None  # a copy as first returned: the schedule is mapped from it
+        self.map_key: tuple[Any, ...] | None = None
+        self.configs: list[Any] = []  # the schedulers' Lightning configs, as the user gave them
+        self.lr_scale: np.ndarray | None = None  # per group: plateau factors (host copy)
+
+    def configure_optimizers(self, module: Any) -> Any:
         """The user's own optimizer and schedulers, handed to Lightning as plain objects.
 
         Lightning never steps them (manual optimization): the JAX step applies the mapped
@@ -34,39 +53,41 @@ class PortOptimizerPart(_Shared):
         (the schedulers' ``interval``/``frequency`` are set on Lightning's configs in
         :meth:`on_fit_start`, which manual optimization would otherwise warn about).
         """
-        if self.tx is not None:
+        if module.tx is not None:
             return []
-        self._configured()
-        if self.manual:  # the user's own return: its training_step steps them (by hand)
-            return self._returned
-        optimizer, configs = parse_configure_optimizers(self._returned)
-        self._configs = configs
+        self.configured(module)
+        if module.manual:  # the user's own return: its training_step steps them (by hand)
+            return self.returned
+        optimizer, configs = parse_configure_optimizers(self.returned)
+        self.configs = configs
         return ([optimizer], [c.scheduler for c in configs]) if configs else optimizer
 
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        if self.mapped is not None and self.trainer.ckpt_path is None:  # (plateau factors)
-            self._lr_scale = np.ones(len(self.mapped.groups), np.float32)
-        for mine, theirs in zip(self.trainer.lr_scheduler_configs, self._configs, strict=False):
+    def on_fit_start(self, module: Any) -> None:
+        """The plateau factors start at 1 (not a resume); Lightning's scheduler configs get
+        the user's ``interval``/``frequency``/``name``."""
+        trainer = module.trainer
+        if self.mapped is not None and trainer.ckpt_path is None:  # (plateau factors)
+            self.lr_scale = np.ones(len(self.mapped.groups), np.float32)
+        for mine, theirs in zip(trainer.lr_scheduler_configs, self.configs, strict=False):
             mine.interval, mine.frequency, mine.name = (
                 theirs.interval,
                 theirs.frequency,
                 theirs.name,
             )
 
-    def _configured(self) -> None:
+    def configured(self, module: Any) -> None:
         """Calls the user's ``configure_optimizers`` once, keeping a pristine copy.
 
         Lightning loads a checkpoint's optimizer and scheduler state into the returned
         objects; the JAX schedule is indexed by the restored step count, so it is mapped
         from the objects as they were before (the copy shares the module's parameters).
         """
-        if self._returned is None:
-            self._returned = self._user_configure_optimizers()
+        if self.returned is None:
+            self.returned = self._user_configure_optimizers(module)
             shared = {id(p): p for p in self.port.module.parameters()}
-            self._pristine = copy.deepcopy(self._returned, shared)
+            self.pristine = copy.deepcopy(self.returned, shared)
 
-    def _user_configure_optimizers(self) -> Any:
+    def _user_configure_optimizers(self, module: Any) -> Any:
         """The user's ``configure_optimizers()``, with the Trainer attached and its own flags.
 
         Modules size schedules from ``self.trainer.estimated_stepping_batches``, which reads
@@ -75,11 +96,12 @@ class PortOptimizerPart(_Shared):
         Lightning (``torch.optim.Adam(self.trainer.model.parameters())``, the pattern
         Lightning's FSDP docs show, would otherwise get the JaxModule's empty list).
         """
-        user, trainer = self.port.module, self._trainer
+        user, trainer = self.port.module, module._trainer
         if trainer is None:
             return user.configure_optimizers()
-        neutral = {k: getattr(trainer, k) for k in self._flag_originals or {}}
-        for k, v in (self._flag_originals or {}).items():
+        originals = module._flag_originals or {}
+        neutral = {k: getattr(trainer, k) for k in originals}
+        for k, v in originals.items():
             setattr(trainer, k, v)
         user.trainer = trainer
         strategy = trainer.strategy
@@ -92,15 +114,23 @@ class PortOptimizerPart(_Shared):
             for k, v in neutral.items():
                 setattr(trainer, k, v)
 
-    def _map(self, *, provisional: bool) -> None:
-        self._configured()
-        if self.manual:
-            self._map_manual(provisional=provisional)
+    def remap(self, module: Any) -> None:
+        """Maps anew for this run (the trainable parameters changed before the first step)."""
+        self.map_key = None
+        self.map(module, provisional=False)
+
+    def map(self, module: Any, *, provisional: bool) -> None:
+        """Maps ``configure_optimizers`` for the run's length (``provisional``: before the
+        loaders exist, the state's structure only); the module's compiled steps are dropped
+        when the tables change."""
+        self.configured(module)
+        if module.manual:
+            module._map_manual(provisional=provisional)
             return
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
-        trainer, m = self._trainer, self.flags.accumulate
+        trainer, m = module._trainer, module.flags.accumulate
         batches = None if trainer is None or provisional else trainer.num_training_batches
         if batches is None:  # before the loaders exist: the state's structure only
             per_epoch, total = 1, 1
@@ -114,44 +144,46 @@ class PortOptimizerPart(_Shared):
             total = trainer.max_steps if trainer.max_steps > 0 else per_epoch * epochs
         per_batches = None if batches is None or math.isinf(batches) else int(batches)
         key = (per_epoch, max(int(total), 1), m, per_batches)
-        if key == self._map_key and self.mapped is not None:
+        if key == self.map_key and self.mapped is not None:
             return  # (a later fit of the same run: the compiled step stays valid)
-        self._map_key = key
+        self.map_key = key
         self.mapped = map_configure_optimizers(
-            self._pristine,
+            self.pristine,
             named,
             steps_per_epoch=per_epoch,
             total_steps=key[1],
             accumulate_grad_batches=m,
             batches_per_epoch=per_batches,
         )
-        self._train_step = None  # the tables are constants of the compiled step
-        self._short_steps = {}
-        self._lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
+        module._train_step = None  # the tables are constants of the compiled step
+        module._short_steps = {}
+        self.lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
 
-    def optimizer(self) -> optax.GradientTransformation:
-        if self.manual and self.tx is None:
-            self._configured()
-            return self.manual_plan.tx()
-        if self.tx is None:
-            if self.mapped is None:
-                self._map(provisional=True)  # the state's structure; tables come at train start
+    def optimizer(self, module: Any) -> optax.GradientTransformation:
+        """The mapped optimizer (or ``optimizer=``'s transform) after the Trainer's clipping;
+        under manual optimization, the plan's optimizers."""
+        if module.manual and module.tx is None:
+            self.configured(module)
+            return module.manual_plan.tx()  # type: ignore[no-any-return]
+        if module.tx is None:
+            if self.mapped is None:  # the state's structure; tables come at train start
+                self.map(module, provisional=True)
             assert self.mapped is not None
             base = self.mapped.tx
         else:
-            base = self.tx
-        if self.flags.clip_val is None:
+            base = module.tx
+        flags = module.flags
+        if flags.clip_val is None:
             return base
         from torchshell.module._clip import torch_clip
 
         only = None if self.mapped is None else self.mapped.param_names
-        return optax.chain(
-            torch_clip(self.flags.clip_val, self.flags.clip_algorithm, only=only), base
-        )
+        return optax.chain(torch_clip(flags.clip_val, flags.clip_algorithm, only=only), base)
 
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if any(type(c).__name__ == "_LRCallback" for c in self.trainer.callbacks):
+    def on_train_start(self, module: Any) -> None:
+        """Refuses the lr finder; maps for the run's length (its loaders are known now)."""
+        trainer = module.trainer
+        if any(type(c).__name__ == "_LRCallback" for c in trainer.callbacks):
             raise ConfigError(
                 "Lightning's learning-rate finder (Tuner.lr_find) sweeps the lr by swapping "
                 "the torch optimizer's scheduler during fit; the compiled step runs the optax "
@@ -159,21 +191,23 @@ class PortOptimizerPart(_Shared):
                 "meaningless suggestion). Fix: choose the lr with a few short fits at "
                 "different lr values, or run lr_find on the plain LightningModule."
             )
-        if self.manual:
-            self._check_manual()
-        if self.tx is None:
-            self._map(provisional=False)
-            if self._trainer is not None and self.trainer.is_global_zero and self.mapped:
+        if module.manual:
+            module._check_manual()
+        if module.tx is None:
+            self.map(module, provisional=False)
+            if module._trainer is not None and trainer.is_global_zero and self.mapped:
                 print(f"coreshell: optimizer {self.mapped.description} (mapped onto optax)")
 
-    def _sync_torch_lr(self) -> None:
+    def sync_torch_lr(self, module: Any) -> None:
         """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
-        if self.mapped is None or not self.trainer.optimizers:
+        trainer = module.trainer
+        if self.mapped is None or not trainer.optimizers:
             return
-        optimizer = self.trainer.optimizers[0]
-        lrs = self._table_lrs(self.trainer.global_step)  # read on the host: no device work
+        assert self.lr_scale is not None  # (set with the mapping)
+        optimizer = trainer.optimizers[0]
+        lrs = self._table_lrs(trainer.global_step)  # read on the host: no device work
         for index in self.mapped.lr_group:
-            optimizer.param_groups[index]["lr"] = lrs[index] * float(self._lr_scale[index])
+            optimizer.param_groups[index]["lr"] = lrs[index] * float(self.lr_scale[index])
 
     def _table_lrs(self, step: int) -> list[float]:
         assert self.mapped is not None
@@ -185,7 +219,7 @@ class PortOptimizerPart(_Shared):
             )
         return lrs
 
-    def _step_plateau(self) -> None:
+    def step_plateau(self, module: Any) -> None:
         """Steps the user's ``ReduceLROnPlateau`` schedulers as Lightning does at an epoch's end.
 
         On the monitored value in ``callback_metrics`` (Lightning's ``strict`` rule when it
@@ -195,23 +229,24 @@ class PortOptimizerPart(_Shared):
         checkpoints and restores.
         """
         mapped = self.mapped
-        if mapped is None or not mapped.plateau or self.tx is not None or self.state is None:
+        if mapped is None or not mapped.plateau or module.tx is not None or module.state is None:
             return
-        optimizer = self.trainer.optimizers[0]
-        tables = self._table_lrs(self.trainer.global_step)
-        scale = _scale_of(self.state.opt_state)
+        trainer = module.trainer
+        optimizer = trainer.optimizers[0]
+        tables = self._table_lrs(trainer.global_step)
+        scale = _scale_of(module.state.opt_state)
         for group, lr, factor in zip(optimizer.param_groups, tables, scale, strict=True):
             if not math.isclose(group["lr"], lr * float(factor), rel_tol=1e-6):
                 group["lr"] = lr * float(factor)  # the lr the step uses now (float32 tables)
         for index in mapped.plateau:
-            config = self._configs[index]
-            if (self.trainer.current_epoch + 1) % config.frequency:
+            config = self.configs[index]
+            if (trainer.current_epoch + 1) % config.frequency:
                 continue
-            value = self.trainer.callback_metrics.get(config.monitor)
+            value = trainer.callback_metrics.get(config.monitor)
             if value is None:
                 message = (
                     f"ReduceLROnPlateau monitors {config.monitor!r}, which is not among the "
-                    f"logged values {sorted(self.trainer.callback_metrics)}"
+                    f"logged values {sorted(trainer.callback_metrics)}"
                 )
                 if config.strict:
                     raise ConfigError(
@@ -231,9 +266,9 @@ class PortOptimizerPart(_Shared):
             ],
             np.float32,
         )
-        self._lr_scale = new
+        self.lr_scale = new
         if not np.array_equal(new, scale):
-            self.state = self.state.replace(opt_state=_with_scale(self.state.opt_state, new))
+            module.state = module.state.replace(opt_state=_with_scale(module.state.opt_state, new))
 
 
 def _scale_of(opt_state: Any) -> np.ndarray:

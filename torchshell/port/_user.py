@@ -1,12 +1,16 @@
-"""The user's ``self.log`` and eval hooks in a :class:`LightningJaxModule` (mixins).
+"""The user's ``self.log`` and eval hooks: two method groups of ``LightningAdapter``.
 
-- :class:`UserMetrics`: training values under the user's names and options: on-step ones at
-  the logging cadence (``name_step`` when on-epoch too, as Lightning names them), on-epoch
-  ones as exact means (or sum, max, min) accumulated on device;
-- :class:`UserEvaluation`: ``validation_step``/``test_step``/``predict_step`` traced in eval
-  mode; their ``self.log`` values go through Lightning's own ``self.log`` per batch.
+- :class:`LightningLogs` (``adapter.logs``): training values under the user's names and
+  options: on-step ones at the logging cadence (``name_step`` when on-epoch too, as Lightning
+  names them), on-epoch ones as exact means (or sum, max, min) accumulated on device;
+- :class:`LightningEvaluation` (``adapter.evaluation``): ``validation_step``/``test_step``/
+  ``predict_step`` traced in eval mode; their ``self.log`` values go through Lightning's own
+  ``self.log`` per batch.
 
-They expect the attributes :class:`~torchshell.port._module.LightningJaxModule` sets.
+Each owns its state (the epoch sums; the compiled eval steps) and implements the protocol of
+the Flax/torch defaults (:class:`~torchshell.module._train_log.TrainLogs`,
+:class:`~torchshell.module._evaluation.EvalHooks`): ``JaxModule``'s hooks call them with the
+module, whose ``log`` and ``trainer`` they use.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from jaxcore.guard import NO_CHECK, raise_failed
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._errors import ConfigError
 from torchshell.module._batches import host_fields_back, host_fields_out
-from torchshell.module._train_log import OWN
-from torchshell.port._adapter import common_rows
+from torchshell.module._evaluation import EvalHooks
+from torchshell.module._train_log import OWN, TrainLogs
 from torchshell.port._logs import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,
@@ -39,9 +43,12 @@ from torchshell.port._logs import (
     host_tensors,
     torch_ints,
 )
+from torchshell.port._repeats import RepeatedRows
+from torchshell.port._rows import common_rows
+from torchshell.port._trace import LightningPort
 from torchshell.trace._embedding import EVAL_CHECK_KEY
 
-__all__ = ["UserEvaluation", "UserMetrics"]
+__all__ = ["LightningEvaluation", "LightningLogs"]
 
 
 @jax.jit
@@ -57,30 +64,29 @@ def _accumulate(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class UserMetrics:
+class LightningLogs(TrainLogs):
     """Training values under the user's names (see the module docstring).
 
     What coreshell adds (the returned loss, the learning rate, refused steps) is named under
     ``coreshell/train/``: the user's module names its own values.
+
+    Args:
+        port: the traced user module (its ``self.log`` names and options).
     """
 
-    _own_train = f"{OWN}train/"
+    own_train = f"{OWN}train/"
 
-    port: Any
-    trainer: Any
-    _trainer: Any
-    _epoch: Any
-    _last_metrics: dict[str, jax.Array]
-    log: Any
-    accumulation: Any  # (its micro_rows: each batch's rows of the last window)
-    flags: Any
+    def __init__(self, port: LightningPort) -> None:
+        self.port = port
+        self._epoch: dict[str, Any] | None = None  # the epoch's sums, on device
 
     def _train_specs(self) -> dict[str, LogSpec]:
         # (what on_after_backward/on_before_optimizer_step log is reported as a step's value)
         return {**self.port.specs["training_step"], **self.port.specs[GRADS_HOOK]}
 
-    def _train_values(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {f"{self._own_train}loss": metrics["loss"]}
+    def train_values(self, module: Any, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The loss under ``coreshell/train/``, the user's on-step values under their names."""
+        out = {f"{self.own_train}loss": metrics["loss"]}
         for name, spec in self._train_specs().items():
             if spec.on_step and spec.metric is None:  # (metric objects: Lightning logs them)
                 # under accumulate_grad_batches: each batch's own, the last one's reported
@@ -88,53 +94,65 @@ class UserMetrics:
                 out[f"{name}_step" if spec.on_epoch else name] = value
         for key in ("nonfinite",):
             if key in metrics:
-                out[f"{self._own_train}{key}"] = metrics[key]
+                out[f"{self.own_train}{key}"] = metrics[key]
         return out
 
-    def _user_names(self) -> set[str]:
+    def user_names(self, module: Any) -> set[str]:
+        """The names ``training_step`` (and the gradient hooks) log."""
         return set(self._train_specs())
 
-    def _align_logger_step(self) -> None:
+    def align_logger_step(self, module: Any) -> None:
         """Lightning's logger step during a batch is the optimizer steps before it, as in a
         plain automatic-optimization run (Lightning counts this module's batches, as it
         steps no torch optimizer): so what ``self.log`` logs in an epoch-end hook lands at
-        the step plain Lightning gives it, also under ``accumulate_grad_batches``."""
-        if self._trainer is not None:
-            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.trainer.global_step
+        the step plain Lightning gives it, also under ``accumulate_grad_batches``.
 
-    def _log_step(self) -> int:
+        (Under manual optimization ``ManualParts`` keeps Lightning's own count.)"""
+        if module._trainer is not None:
+            trainer = module.trainer
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+    def log_step(self, module: Any) -> int:
         """The step plain Lightning logs a training ``self.log`` value at: the optimizer
         steps before the step that computed it (0 for the first step's values)."""
-        return max(int(self.trainer.global_step) - 1, 0)
+        return max(int(module.trainer.global_step) - 1, 0)
 
-    def _emit(
-        self, logs: dict[str, float], step: int, progress_bar: bool, epoch: int | None = None
+    def emit(
+        self,
+        module: Any,
+        logs: dict[str, float],
+        step: int,
+        progress_bar: bool,
+        epoch: int | None = None,
     ) -> None:
-        hidden = {
-            (f"{n}_step" if s.on_epoch else n)
-            for n, s in self._train_specs().items()
-            if s.logger is False
-        }
+        """Logs all but ``logger=False`` names; ``callback_metrics`` and the bar under
+        Lightning's names."""
+        specs = self._train_specs()
+        hidden = {(f"{n}_step" if s.on_epoch else n) for n, s in specs.items() if s.logger is False}
         shown = {k: v for k, v in logs.items() if k not in hidden}
-        for name, spec in self._train_specs().items():
+        trainer = module.trainer
+        for name, spec in specs.items():
             key = f"{name}_step" if spec.on_epoch else name
             if spec.on_step and key in logs and progress_bar:  # (at the end: epoch values)
-                self.trainer.callback_metrics[name] = torch.tensor(logs[key])
-        super()._emit(shown, step, progress_bar, epoch)  # type: ignore[misc]
+                trainer.callback_metrics[name] = torch.tensor(logs[key])
+        module._log_values(shown, step, progress_bar, epoch)
         if progress_bar:  # under Lightning's bar names (name_step when on epoch too)
-            bar = self.trainer.progress_bar_metrics
-            for name, spec in self._train_specs().items():
+            bar = trainer.progress_bar_metrics
+            for name, spec in specs.items():
                 key = f"{name}_step" if spec.on_epoch else name
                 if spec.prog_bar and spec.on_step and key in logs:
                     bar[key] = logs[key]
 
-    def _after_step(self, metrics: dict[str, jax.Array], rows_: int) -> None:
+    def after_step(self, module: Any, metrics: dict[str, jax.Array], rows: int) -> None:
+        """The step's torchmetrics states into the user's metrics; its on-epoch values added
+        to the epoch's sums (weighted by rows or the ``batch_size=`` they were logged with)."""
         if self.port.metric_calls["training_step"]:
-            self._metric_objects(metrics)
+            self._metric_objects(module, metrics)
         epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch and s.metric is None}
         if not epoch:
             return
         new = {}
+        micro_rows = module.accumulation.micro_rows  # each batch's rows of the last window
         # logged once per optimizer step (on_before_optimizer_step): Lightning weighs it by
         # the batch it ran after, an accumulation window's last one
         once = set(self.port.specs[GRADS_HOOK]) - set(self.port.specs["training_step"])
@@ -143,19 +161,19 @@ class UserMetrics:
             size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
             if each is None:
                 v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:]
-                window = self.flags.accumulate > 1
-                rows = self.accumulation.micro_rows[-1:] if name in once and window else [rows_]
+                window = module.flags.accumulate > 1
+                weights = micro_rows[-1:] if name in once and window else [rows]
                 given = metrics.get(size)
                 given = None if given is None else jnp.reshape(given, (-1,))[-1:]
             else:
-                v, rows, given = each, self.accumulation.micro_rows, metrics.get(f"{MICRO}{size}")
-            weight = given if given is not None else jnp.asarray(rows, jnp.float32)
+                v, weights, given = each, micro_rows, metrics.get(f"{MICRO}{size}")
+            weight = given if given is not None else jnp.asarray(weights, jnp.float32)
             if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
                 weight = jnp.ones(v.shape, jnp.float32)
             new[name] = (jnp.sum(v * weight), jnp.sum(weight), jnp.max(v), jnp.min(v))
         self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
 
-    def _metric_objects(self, metrics: dict[str, jax.Array]) -> None:
+    def _metric_objects(self, module: Any, metrics: dict[str, jax.Array]) -> None:
         """The step's torchmetrics batch states into the user's metrics; logged by Lightning.
 
         Waits for this step (a module with metric objects in ``training_step`` only): the
@@ -170,7 +188,7 @@ class UserMetrics:
             add_metric_states(user.get_submodule(call.path), call, host, i)
         for name, spec in self._train_specs().items():
             if spec.metric is not None:
-                self.log(
+                module.log(
                     name,
                     user.get_submodule(spec.metric),
                     prog_bar=spec.prog_bar,
@@ -180,9 +198,9 @@ class UserMetrics:
                     metric_attribute=spec.metric,
                 )
 
-    def on_train_epoch_end(self) -> None:
-        super().on_train_epoch_end()  # type: ignore[misc]
-        self._user_step_values()
+    def train_epoch_end(self, module: Any) -> None:
+        """The epoch's last on-step values and its on-epoch means, through ``module.log``."""
+        self._user_step_values(module)
         if self._epoch is None:
             return
         acc, self._epoch = jax.device_get(self._epoch), None
@@ -191,7 +209,7 @@ class UserMetrics:
                 continue
             total, weight, top, bottom = (float(x) for x in acc[name])
             value = {"mean": total / max(weight, 1e-30), "sum": total, "max": top, "min": bottom}
-            self.log(
+            module.log(
                 f"{name}_epoch" if spec.on_step else name,
                 value[spec.reduce_fx],
                 prog_bar=spec.prog_bar,
@@ -200,45 +218,45 @@ class UserMetrics:
                 on_epoch=True,
             )
             if spec.on_step:
-                self.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
+                module.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
 
-    def _last_step_values(self) -> None:
-        """(Done per epoch, under the user's names: :meth:`_user_step_values`.)"""
+    def last_step_values(self, module: Any) -> None:
+        """(Done per epoch, under the user's names: :meth:`train_epoch_end`.)"""
 
-    def _user_step_values(self) -> None:
+    def _user_step_values(self, module: Any) -> None:
         """``callback_metrics`` hold the epoch's last on-step values, as in plain Lightning.
 
         (Lightning updates them every step; here they are fetched once per epoch, so a run
         shorter than ``log_every_n_steps`` still ends with them.)
         """
-        if not self._last_metrics:
+        if not module._last_metrics:
             return
-        values = jax.device_get(self._train_values(self._last_metrics))
+        values = jax.device_get(self.train_values(module, module._last_metrics))
+        callback_metrics = module.trainer.callback_metrics
         for name, spec in self._train_specs().items():
             key = f"{name}_step" if spec.on_epoch else name
             if spec.on_step and key in values:
                 value = torch.tensor(float(np.ravel(values[key])[-1]))
-                self.trainer.callback_metrics[key] = value
-                self.trainer.callback_metrics[name] = value  # (the epoch value follows)
+                callback_metrics[key] = value
+                callback_metrics[name] = value  # (the epoch value follows)
 
 
-class UserEvaluation:
-    """The user's eval hooks, traced (see the module docstring)."""
+class LightningEvaluation(EvalHooks):
+    """The user's eval hooks, traced (see the module docstring).
 
-    port: Any
-    _eval_steps: dict[str, jaxcore.Step]
-    log: Any
-    _compute_dtype: Any
-    init_state: Any
-    adapter: Any  # torchshell.port._adapter.LightningAdapter
-    _repeats: Any  # torchshell.port._repeats.RepeatedRows
-    _write_back_host: Any
-    _eval_loader: Any
+    Args:
+        port: the traced user module.
+    """
 
-    def _eval_step_for(self, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
+    def __init__(self, port: LightningPort) -> None:
+        self.port = port
+        self.steps: dict[str, jaxcore.Step] = {}  # per hook (and loader): the compiled step
+        self.repeats = RepeatedRows()  # rows a DistributedSampler repeated, per loader
+
+    def _step_for(self, module: Any, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
         key = hook_key(hook, dataloader_idx)
-        if key not in self._eval_steps:
-            dtype = resolve_dtype(self._compute_dtype)
+        if key not in self.steps:
+            dtype = resolve_dtype(module._compute_dtype)
             dtype = None if dtype == jnp.float32 else dtype
             port = self.port
 
@@ -254,41 +272,46 @@ class UserEvaluation:
                 )
                 return cast_floating(out, jnp.float32), logs
 
-            self._eval_steps[key] = jaxcore.Step(step, name=key)
-        return self._eval_steps[key]
+            self.steps[key] = jaxcore.Step(step, name=key)
+        return self.steps[key]
 
     def _run_hook(
-        self, hook: str, batch: Any, dataloader_idx: int | None = None, batch_idx: int = -1
+        self,
+        module: Any,
+        hook: str,
+        batch: Any,
+        dataloader_idx: int | None = None,
+        batch_idx: int = -1,
     ) -> Any:
         """The user's ``hook`` traced on ``batch``; with ``batch_idx`` (validation and test),
         without the rows a ``DistributedSampler`` repeated (:mod:`torchshell.port._repeats`:
         a batch of repeats only is not evaluated)."""
+        adapter = module.adapter
         if batch_idx >= 0:
-            repeats = self._repeats
-            loader = self._eval_loader(dataloader_idx)
-            batch = repeats.real_part(
-                loader, batch, self.adapter.global_rows(batch), batch_idx, dataloader_idx
+            loader = module._eval_loader(dataloader_idx)
+            batch = self.repeats.real_part(
+                loader, batch, adapter.global_rows(batch), batch_idx, dataloader_idx
             )
             if batch is None:
                 return None
+        user = self.port.module
         if dataloader_idx is not None:
-            user_hook = getattr(self.port.module, hook)
+            user_hook = getattr(user, hook)
             if not is_param_in_hook_signature(user_hook, "dataloader_idx", explicit=True):
                 raise ConfigError(  # (Lightning's own check, on the user's hook)
-                    f"You provided several dataloaders for {type(self.port.module).__name__}."
+                    f"You provided several dataloaders for {type(user).__name__}."
                     f"{hook}, which takes no `dataloader_idx` argument. Fix: add "
                     "`dataloader_idx=0` to its signature (Lightning passes each loader's index)."
                 )
         fields = host_fields_out(batch)  # ids, paths: stand-ins in the step, back in `out`
-        self._write_back_host()  # (what host hooks changed in place: BatchNorm statistics)
-        state = self.init_state(fields)  # (the sanity check's batch may be the first one)
-        jbatch = self.port.specialise(hook, self.adapter.place(fields), False, dataloader_idx)
-        out, logs = self._eval_step_for(hook, dataloader_idx)(state, jbatch)
+        adapter.checkpoint.write_back_host(module)  # (host hooks changed in place: BatchNorm)
+        state = module.init_state(fields)  # (the sanity check's batch may be the first one)
+        jbatch = self.port.specialise(hook, adapter.place(fields), False, dataloader_idx)
+        out, logs = self._step_for(module, hook, dataloader_idx)(state, jbatch)
         out = host_fields_back(out, batch)
         n = common_rows(batch)
         host = jax.device_get(logs)
         raise_failed(host.pop(EVAL_CHECK_KEY, NO_CHECK), f"in a {hook} batch")
-        user = self.port.module
         key = hook_key(hook, dataloader_idx)
         for i, call in enumerate(self.port.metric_calls[key]):  # torchmetrics objects
             add_metric_states(user.get_submodule(call.path), call, host, i)
@@ -296,7 +319,7 @@ class UserEvaluation:
             getattr(user, name).extend(host_tensors(items))
         for name, spec in self.port.specs[key].items():
             value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
-            self.log(
+            module.log(
                 name,
                 value,
                 metric_attribute=spec.metric,
@@ -310,15 +333,22 @@ class UserEvaluation:
             )
         return out
 
-    # ``dataloader_idx`` is passed by Lightning with several loaders only (the user's hook
-    # then takes it too, as Lightning requires).
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        out = self._run_hook("validation_step", batch, dataloader_idx, batch_idx)
-        return torch_ints(bridge.to_torch(out))  # batch-end hooks' outputs
-
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        out = self._run_hook("test_step", batch, dataloader_idx, batch_idx)
+    def validation_step(
+        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
+    ) -> Any:
+        """The user's ``validation_step``, traced; its outputs (for batch-end hooks)."""
+        out = self._run_hook(module, "validation_step", batch, dataloader_idx, batch_idx)
         return torch_ints(bridge.to_torch(out))
 
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return torch_ints(bridge.to_torch(self._run_hook("predict_step", batch, dataloader_idx)))
+    def test_step(self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None) -> Any:
+        """The user's ``test_step``, traced; its outputs (for batch-end hooks)."""
+        out = self._run_hook(module, "test_step", batch, dataloader_idx, batch_idx)
+        return torch_ints(bridge.to_torch(out))
+
+    def predict_step(
+        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
+    ) -> Any:
+        """The user's ``predict_step`` (or Lightning's default, the module's forward), traced:
+        its outputs as torch tensors."""
+        out = self._run_hook(module, "predict_step", batch, dataloader_idx)
+        return torch_ints(bridge.to_torch(out))
