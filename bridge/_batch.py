@@ -66,7 +66,10 @@ def _leading(tree: PyTree) -> int:
         raise TransferError(
             f"Padding needs every batch field to have the same leading (batch) size, got "
             f"{sizes or 'no field with a batch dimension'}. Fix: make the collate return "
-            "fields of equal length."
+            "fields of equal length (a field concatenated over the rows, such as "
+            "EmbeddingBag's flat text with its offsets, has no row per example: pad it to "
+            "[rows, length] instead, e.g. EmbeddingBag(..., padding_idx=0) on the padded "
+            "rows), or train through JaxModule.from_lightning, which pads nothing."
         )
     return next(iter(sizes.values()))
 

@@ -96,6 +96,9 @@ class TorchTracer:
             )
         self.module = module
         self.max_branches = max_branches
+        # a LightningModule trains in the submodule modes it has (Lightning 2 never calls
+        # .train() on it in fit); a plain nn.Module is put in train mode, as a torch loop does
+        self.own_modes = any(c.__name__ == "LightningModule" for c in type(module).__mro__)
         self.reads = patterns.Reads()
         self.env = patterns.environment(self.reads)
         persistent = set(module.state_dict().keys())
@@ -171,7 +174,7 @@ class TorchTracer:
         weights = {f"m.{k}": v for k, v in {**c, **s, **p}.items()}
         object.__setattr__(self._bound, "fn", None if fn is module else fn)
         with (
-            patterns.mode(module, train),
+            patterns.mode(module, train, self.own_modes),
             no_kv_cache(module),
             patterns.attributes_kept(module, self.carried),
             env,

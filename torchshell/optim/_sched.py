@@ -64,10 +64,20 @@ def parse_configure_optimizers(
         ) from err
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # a LightningOptimizer
     if len(optimizers) != 1:
-        names = ", ".join(type(o).__name__ for o in optimizers) or "none"
+        names = ", ".join(type(o).__name__ for o in optimizers)
+        if not optimizers:
+            raise ConfigError(
+                "configure_optimizers() returned no optimizer; from_lightning maps exactly "
+                f"one (automatic optimization); return one, or {FIX}"
+            )
         raise ConfigError(
             f"configure_optimizers() returned {len(optimizers)} optimizers ({names}); "
-            f"from_lightning maps exactly one (automatic optimization); {FIX}"
+            "under automatic optimization from_lightning maps exactly one (Lightning 2 "
+            "refuses several there too). Fix: set `self.automatic_optimization = False` in "
+            "__init__ and step them in training_step (`opt_g, opt_d = self.optimizers()`, "
+            "`self.manual_backward(loss)`, `opt.step()`, `opt.zero_grad()`), which "
+            "from_lightning traces with each optimizer mapped; or return one optimizer "
+            f"over all the parameters (param groups keep their own settings); or {FIX}"
         )
     (optimizer,) = optimizers
     for config in configs:

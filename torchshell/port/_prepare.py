@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from torchshell._errors import ConfigError
+from torchshell.trace._paths import mode
 
 __all__ = ["check_trainable", "layers_changed", "prepare_module"]
 
@@ -65,18 +66,14 @@ def prepare_module(module: LightningModule) -> None:
         return
     example = module.example_input_array
     if example is not None:
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                if isinstance(example, dict):
-                    module(**example)
-                elif isinstance(example, tuple | list):
-                    module(*example)
-                else:
-                    module(example)
-        finally:
-            module.train(was_training)
+        # in eval, then every submodule's own mode back (a teacher the user put in eval stays)
+        with mode(module, False), torch.no_grad():
+            if isinstance(example, dict):
+                module(**example)
+            elif isinstance(example, tuple | list):
+                module(*example)
+            else:
+                module(example)
     if unsized := _unsized(module):
         shown = ", ".join(unsized[:4]) + (", ..." if len(unsized) > 4 else "")
         raise ConfigError(

@@ -20,6 +20,7 @@ from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._autocast import user_autocast
 from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
+from torchshell.trace._embedding_bag import embedding_bag_lowerings
 from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._hf import uncached
 from torchshell.trace._host_random import host_random_refused
@@ -34,6 +35,7 @@ from torchshell.trace._lowerings import (
     standard_gamma,
     window,
 )
+from torchshell.trace._no_grad import stopped_in_no_grad, user_no_grad_regions
 from torchshell.trace._norms import norm_lowerings
 from torchshell.trace._ops import check_target_dtype, install_ops
 from torchshell.trace._packed import packed_as_masks
@@ -84,6 +86,7 @@ def environment(reads: Reads) -> Any:
         torch.ops.aten._is_all_true.default: lambda x: jnp.all(x),
         torch.ops.aten._is_any_true.default: lambda x: jnp.any(x),
         **_torchaudio_lowerings(),
+        **embedding_bag_lowerings(),  # EmbeddingBag(text, offsets): traced offsets
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
         **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
@@ -126,7 +129,9 @@ def environment(reads: Reads) -> Any:
     scalar_reads(env, reads)
     # in-place ops on a slice (``bias[C:2*C].zero_()``) write through to the sliced tensor
     # ... under the user's own torch.autocast regions (torchax keeps its own autocast dtype)
-    env.dispatch = user_autocast(env, folded_when_concrete(written_through_views(env)))
+    dispatch = user_autocast(env, folded_when_concrete(written_through_views(env)))
+    # ... and the user's own torch.no_grad() regions stop gradients (:mod:`._no_grad`)
+    env.dispatch = stopped_in_no_grad(env, dispatch)
     # ``t.cpu()`` (``pack_padded_sequence(x, lengths.cpu())``) keeps a traced tensor traced:
     # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
@@ -249,6 +254,7 @@ def tracing() -> Iterator[None]:
             hf_ctc_shape_static(),
             uncached(),
             host_random_refused(),  # np.random.beta in a step: one draw reused, refused
+            user_no_grad_regions(),  # the user's torch.no_grad(): no gradient through it
             warnings.catch_warnings(),
             # Lightning's precision plugin's region is not the step's (the JAX step has its
             # compute dtype); the user's own torch.autocast inside it is (user_autocast)

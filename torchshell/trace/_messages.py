@@ -130,6 +130,22 @@ def unlowered_op(err: BaseException) -> str | None:
     return op
 
 
+_SOURCE = re.compile(r"depends on the value of the argument (\w)\[['\"]([^'\"]+)['\"]\]")
+_KINDS = {"p": "weight", "s": "buffer"}
+
+
+def read_source(err: BaseException) -> tuple[str, str] | None:
+    """``("buffer"|"weight", state_dict name)`` whose value ``err`` says was read, if any.
+
+    JAX names the traced argument a concrete value depended on (``s['queue_ptr']``: the
+    step's model state, ``p[...]``: its params); see ``TorchModel._abstract``.
+    """
+    found = _SOURCE.search(str(err))
+    if found is None or found.group(1) not in _KINDS:
+        return None
+    return _KINDS[found.group(1)], found.group(2)
+
+
 def where(err: BaseException, names: Mapping[int, str]) -> tuple[str, str]:
     """The innermost submodule whose ``forward`` was running when ``err`` was raised."""
     path, site = "", ""
@@ -182,6 +198,24 @@ def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) ->
             "computed only from constants (Python numbers, shapes, untrained buffers), "
             "which stay concrete. Fix: pass Python ints (e.g. from x.shape, or int(t) of a "
             f"constant tensor), {FLAX_ROUTE}"
+        )
+    if isinstance(err, DATA_DEPENDENT) and (read := read_source(err)) is not None:
+        kind, name = read
+        fix = (
+            "keep it a tensor: index with it (`cols = (ptr + torch.arange(n)) % size; "
+            "buf.index_copy_(dim, cols, values)` instead of `buf[:, int(ptr):int(ptr) + n] = "
+            "values`; `ptr.add_(n).remainder_(size)`), pick with torch.where"
+            if kind == "buffer"
+            else "make the computation shape-static (torch.where instead of `if`, masks "
+            "instead of boolean indexing)"
+        )
+        return TorchModelError(
+            f"The forward of module {path}{at} ({mode} mode) needs a tensor's value in Python "
+            f"({type(err).__name__}): it reads the {kind} `{name}` as a Python number "
+            "(`int(t)`, `t.item()`, a slice bound or an `if` on it). In the compiled step the "
+            f"{kind} is a traced value that changes as training goes, so no number exists for "
+            f"it when the step is traced. Expected tensor arithmetic on it. Fix: {fix}, "
+            f"{FLAX_ROUTE}"
         )
     if isinstance(err, DATA_DEPENDENT):
         return TorchModelError(

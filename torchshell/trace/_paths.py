@@ -106,10 +106,16 @@ def decode(dims: Sequence[int]) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def mode(module: nn.Module, train: bool) -> Iterator[None]:
-    """``module.train(train)`` for the duration, then the module's own modes back."""
+def mode(module: nn.Module, train: bool, own_modes: bool = False) -> Iterator[None]:
+    """``module.train(train)`` for the duration, then the module's own modes back.
+
+    With ``own_modes``, training keeps each submodule's mode as it is, as Lightning 2's fit
+    loop does (it never calls ``LightningModule.train()``): a teacher or a backbone whose
+    BatchNorm the user put in eval (``self.teacher.eval()`` in ``__init__``) stays in eval.
+    """
     before = {m: m.training for m in module.modules()}
-    module.train(train)
+    if not (train and own_modes):
+        module.train(train)
     try:
         yield
     finally:
