@@ -185,3 +185,15 @@ def test_wheel_ships_conf_inside_torchshell(tmp_path: Path):
     packages = [n for n in files if n.split("/")[0] in PACKAGES and n.endswith("/__init__.py")]
     missing = [n for n in packages if n not in names]
     assert not missing, f"not in the wheel (list them in pyproject.toml's packages): {missing}"
+
+
+def test_the_port_adds_method_groups_not_mixins():
+    """``from_lightning``'s optimizer mapping, checkpoint layout, log names, evaluation and
+    manual steps are groups its adapter owns (``adapter.optim``, ...; issue #37), not part
+    classes stacked on ``JaxModule``: one port class is left in the MRO."""
+    from torchshell.module._jax_module import LightningJaxModule
+
+    port = [
+        c.__name__ for c in LightningJaxModule.__mro__ if c.__module__.startswith("torchshell.port")
+    ]
+    assert port == ["LightningParts"]

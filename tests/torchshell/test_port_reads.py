@@ -194,9 +194,9 @@ class _Held(L.Callback):
         self.held: list[int] = []
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if not hasattr(pl_module, "_host_steps"):  # (the plain Lightning run)
+        if not hasattr(pl_module, "adapter"):  # (the plain Lightning run)
             return
-        steps = [s for _, s in pl_module._host_steps]
+        steps = [s for _, s in pl_module.adapter.steps.host_steps]
         self.held.append(len(steps))
         self.refs += [weakref.ref(s) for s in steps]
 

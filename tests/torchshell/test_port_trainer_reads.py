@@ -44,4 +44,4 @@ def test_epoch_and_last_batch_reads_follow_the_trainer(tmp_path: Path) -> None:
     assert t_ported.global_step == 9
     # one program per value set read, the earlier epochs' dropped (port/_host_reads.reusable):
     # the last epoch's two (last batch or not) are held
-    assert len(t_ported.lightning_module._host_steps) == 2
+    assert len(t_ported.lightning_module.adapter.steps.host_steps) == 2

@@ -289,64 +289,65 @@ class JaxModule(
         ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the
         loop never waits for the device.
         """
-        self.adapter.checkpoint.before_step(self)  # (the port: host code's in-place changes)
-        t0 = time.perf_counter()
-        raw, batch = batch, self.adapter.prepare(batch)
-        if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
-            self._float_fields = float_fields(batch)
-        m = self.flags.accumulate
-        if m == 1 and self.windows.buffering():
-            metrics = self._buffer_batch(batch)
-            every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
-            if metrics is not None and self.trainer.global_step % every == 0:
-                self._queue_log(metrics, self.adapter.global_rows(batch))
-            self.train_log.compute += time.perf_counter() - t0
-            return None  # (windows: no callback reads the outputs, see _outputs_wanted)
-        if m > 1:
-            if self.steps_per_call > 1 or self.accum_steps > 1:
-                raise ConfigError(
-                    f"accumulate_grad_batches={m} with steps_per_call={self.steps_per_call} "
-                    f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
-                    "keep accumulate_grad_batches and set the other two to 1."
-                )
-            ahead = self._outputs_ahead(batch, len(self.accumulation.batches), raw)
-            window = self._window_batch(batch)
-            if window is None:
+        with self.adapter.steps.counted(self):  # (the port's manual optimization)
+            self.adapter.checkpoint.before_step(self)  # (the port: host code's in-place changes)
+            t0 = time.perf_counter()
+            raw, batch = batch, self.adapter.prepare(batch)
+            if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
+                self._float_fields = float_fields(batch)
+            m = self.flags.accumulate
+            if m == 1 and self.windows.buffering():
+                metrics = self._buffer_batch(batch)
+                every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
+                if metrics is not None and self.trainer.global_step % every == 0:
+                    self._queue_log(metrics, self.adapter.global_rows(batch))
                 self.train_log.compute += time.perf_counter() - t0
-                return ahead
-            jbatch, one, rows_, micro = window
-            steps = 1
-        else:
-            jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
-            micro, steps = self.accum_steps, self.steps_per_call
-            ahead = self._outputs_ahead(batch, 0, raw)
-        if self._state is None and self._train_step is None and m == 1:
-            self._compile_beside_init(one, micro, jbatch)
-        self.init_state(one)
-        step_fn = self._step_for(micro, jbatch)
-        before = self.trainer.global_step
-        with self.adapter.checked(one):
-            if self.windows.measuring(self._windowable):
-                self._state, metrics = self.windows.timed(step_fn, self._state, jbatch)
-                if (times := self.windows.timings()) is not None:
-                    self._choose_k(times, jbatch, one)
+                return None  # (windows: no callback reads the outputs, see _outputs_wanted)
+            if m > 1:
+                if self.steps_per_call > 1 or self.accum_steps > 1:
+                    raise ConfigError(
+                        f"accumulate_grad_batches={m} with steps_per_call={self.steps_per_call} "
+                        f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
+                        "keep accumulate_grad_batches and set the other two to 1."
+                    )
+                ahead = self._outputs_ahead(batch, len(self.accumulation.batches), raw)
+                window = self._window_batch(batch)
+                if window is None:
+                    self.train_log.compute += time.perf_counter() - t0
+                    return ahead
+                jbatch, one, rows_, micro = window
+                steps = 1
             else:
-                self._state, metrics = step_fn(self._state, jbatch)
-        if self._stats_due and self.compile_stats is not None:
-            self._stats_due = False
-            self._log_to_loggers(
-                {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
-            )
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        for _ in range(steps):
-            progress.increment_ready()
-            progress.increment_completed()
-        self._last_metrics = metrics
-        self.adapter.logs.after_step(self, metrics, rows_ * (micro if m > 1 else 1))
-        self.train_log.compute += time.perf_counter() - t0
-        if self._logging_step(before):
-            self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
-        return ahead if ahead is not None else self._outputs(metrics)
+                jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
+                micro, steps = self.accum_steps, self.steps_per_call
+                ahead = self._outputs_ahead(batch, 0, raw)
+            if self._state is None and self._train_step is None and m == 1:
+                self._compile_beside_init(one, micro, jbatch)
+            self.init_state(one)
+            step_fn = self.adapter.steps.step_for(self, micro, jbatch)
+            before = self.trainer.global_step
+            with self.adapter.checked(one):
+                if self.windows.measuring(self._windowable):
+                    self._state, metrics = self.windows.timed(step_fn, self._state, jbatch)
+                    if (times := self.windows.timings()) is not None:
+                        self._choose_k(times, jbatch, one)
+                else:
+                    self._state, metrics = step_fn(self._state, jbatch)
+            if self._stats_due and self.compile_stats is not None:
+                self._stats_due = False
+                self._log_to_loggers(
+                    {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
+                )
+            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+            for _ in range(steps):
+                progress.increment_ready()
+                progress.increment_completed()
+            self._last_metrics = metrics
+            self.adapter.logs.after_step(self, metrics, rows_ * (micro if m > 1 else 1))
+            self.train_log.compute += time.perf_counter() - t0
+            if self._logging_step(before):
+                self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
+            return ahead if ahead is not None else self._outputs(metrics)
 
     # -- K batches per call (steps_per_call="auto", see torchshell.module._windows) -----------
     @property

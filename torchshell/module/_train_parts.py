@@ -1,8 +1,9 @@
 """Two parts of :class:`~torchshell.module.JaxModule`'s training (see
 :mod:`torchshell.module._parts` for the others):
 
-- :class:`StepPart`: the compiled train step it builds (K steps per call, accumulation
-  windows, the NaN guard), compiled beside the state's init on the first batch;
+- :class:`StepPart`: the compiled train step (K steps per call, accumulation windows, the
+  NaN guard), compiled beside the state's init on the first batch; which step and how its
+  optimizer steps count is the adapter's (``adapter.steps``: :class:`TrainSteps`);
 - :class:`TrainLogPart`: what a training step gives back to Lightning: the values logged at
   the logging cadence (to the loggers, ``callback_metrics`` and the progress bar), the
   outputs a user callback reads, and the NaN/Inf check read at those syncs. Which values and
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,33 +27,84 @@ from torchshell.module._batches import MicroBatches
 from torchshell.module._parts import _Shared
 from torchshell.module._train_log import OWN, find_lrs, fresh
 
-__all__ = ["StepPart", "TrainLogPart"]
+__all__ = ["StepPart", "TrainLogPart", "TrainSteps"]
+
+
+class TrainSteps:
+    """The step function the module's adapter supplies (``adapter.steps``), and the counts of
+    the steps it takes: the Flax and torch adapters' (the port's adds manual optimization:
+    :class:`~torchshell.port._manual_parts.LightningSteps`). Each method is given the
+    :class:`~torchshell.module.JaxModule` whose hooks call it."""
+
+    def make_train_step(
+        self, module: Any, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
+    ) -> jaxcore.Step:
+        """The train step for ``state`` (the state, or its abstract twin while it inits)."""
+        window = module.flags.accumulate > 1
+        return jaxcore.make_train_step(
+            module.model_fns,
+            module.loss_fn,
+            module.optimizer(),
+            state_sharding=jaxcore.state_shardings(state),
+            batch_sharding=None,  # the arrays' own (placed by the bridge)
+            steps_per_call=1 if window else module.steps_per_call,
+            accum_steps=micro if window else module.accum_steps,
+            stacked_micro=window,
+            grad_scale=grad_scale,
+            compute_dtype=module._compute_dtype,
+            nan_policy=module.nan_policy,
+            weigh_rows=module._weigh_rows,
+            unrolled_micro=ragged,
+            per_micro=window and not module._weigh_rows,  # Lightning's per-batch self.log
+            grads_fn=module._grads_fn(),
+        )
+
+    def compile_train_step(self, module: Any, micro: int, state: Any, jbatch: Any) -> None:
+        """Builds and AOT-compiles the train step; its statistics are logged after the first
+        call is dispatched (their cost analysis is not on the way to the first step)."""
+        module._train_step = step = self.make_train_step(module, micro, state)
+        module.compile_stats = step.compile(state, jbatch, dump_dir=module.hlo_dump_dir)
+        module._stats_due = True
+
+    def step_for(self, module: Any, micro: int, jbatch: Any) -> jaxcore.Step:
+        """The compiled step for this call (a short or ragged accumulation window has its
+        own)."""
+        m = module.flags.accumulate
+        ragged = isinstance(jbatch, MicroBatches)
+        if m > 1 and (micro < m or ragged):
+            short = module._short_steps
+            if (micro, ragged) not in short:
+                short[micro, ragged] = self.make_train_step(
+                    module, micro, module.state, grad_scale=micro / m, ragged=ragged
+                )
+            return short[micro, ragged]  # type: ignore[no-any-return]
+        if module._train_step is None:
+            self.compile_train_step(module, micro, module.state, jbatch)
+        assert module._train_step is not None
+        return module._train_step  # type: ignore[no-any-return]
+
+    def counted(self, module: Any) -> contextlib.AbstractContextManager[None]:
+        """The context a ``training_step`` runs in (its optimizer steps counted by it)."""
+        return contextlib.nullcontext()
+
+    def align_logger_step(self, module: Any) -> None:
+        """Where Lightning's logger step is set to the adapter's meaning (``logs``)."""
+        module.adapter.logs.align_logger_step(module)
+
+    def log_step(self, module: Any) -> int:
+        """The logger step of the values of the step that just ran: the adapter's ``logs``
+        (``global_step``; the Lightning port logs at Lightning's own step instead)."""
+        return module.adapter.logs.log_step(module)  # type: ignore[no-any-return]
+
+    def logging_step(self, module: Any, before: int) -> bool:
+        """Whether the step that just ran (``before``: ``global_step`` before it) is a
+        logging step: it completed a multiple of ``log_every_n_steps`` optimizer steps, as
+        Lightning's ``(step + 1) % log_every_n_steps == 0``."""
+        every = max(int(module.trainer.log_every_n_steps), 1)
+        return bool(module.trainer.global_step // every > before // every)
 
 
 class StepPart(_Shared):
-    def _make_train_step(
-        self, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
-    ) -> jaxcore.Step:
-        """The train step for ``state`` (the state, or its abstract twin while it inits)."""
-        window = self.flags.accumulate > 1
-        return jaxcore.make_train_step(
-            self.model_fns,
-            self.loss_fn,
-            self.optimizer(),
-            state_sharding=jaxcore.state_shardings(state),
-            batch_sharding=None,  # the arrays' own (placed by the bridge)
-            steps_per_call=1 if window else self.steps_per_call,
-            accum_steps=micro if window else self.accum_steps,
-            stacked_micro=window,
-            grad_scale=grad_scale,
-            compute_dtype=self._compute_dtype,
-            nan_policy=self.nan_policy,
-            weigh_rows=self._weigh_rows,
-            unrolled_micro=ragged,
-            per_micro=window and not self._weigh_rows,  # Lightning's per-batch self.log
-            grads_fn=self._grads_fn(),
-        )
-
     def _window_step(self, k: int) -> jaxcore.Step:
         """The K-step program of ``steps_per_call="auto"`` windows (:mod:`._windows`)."""
         return jaxcore.make_train_step(
@@ -125,35 +178,12 @@ class StepPart(_Shared):
         state = self.init_state(batch)
         return self._train_forward(state, self.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
 
-    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
-        """The compiled step for this call (a short or ragged accumulation window has its
-        own)."""
-        m = self.flags.accumulate
-        ragged = isinstance(jbatch, MicroBatches)
-        if m > 1 and (micro < m or ragged):
-            if (micro, ragged) not in self._short_steps:
-                self._short_steps[micro, ragged] = self._make_train_step(
-                    micro, self.state, grad_scale=micro / m, ragged=ragged
-                )
-            return self._short_steps[micro, ragged]
-        if self._train_step is None:
-            self._compile_train_step(micro, self.state, jbatch)
-        assert self._train_step is not None
-        return self._train_step
-
-    def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
-        """Builds and AOT-compiles the train step; its statistics are logged after the first
-        call is dispatched (their cost analysis is not on the way to the first step)."""
-        self._train_step = self._make_train_step(micro, state)
-        self.compile_stats = self._train_step.compile(state, jbatch, dump_dir=self.hlo_dump_dir)
-        self._stats_due = True
-
     def _compile_beside_init(self, one: Any, micro: int, jbatch: Any) -> None:
         """The first batch: the state's init program compiles in the background while the
         train step is traced and compiled on the state's shapes (``jaxcore.PendingState``);
         with a warm compile cache the two executables load side by side."""
         self._pending = self._start_state(one)
-        self._compile_train_step(micro, self._pending.abstract, jbatch)
+        self.adapter.steps.compile_train_step(self, micro, self._pending.abstract, jbatch)
 
     def _start_state(self, batch: Any) -> jaxcore.PendingState:
         """The state's init, compiling (``jaxcore.start_train_state``)."""
@@ -179,20 +209,16 @@ class TrainLogPart(_Shared):
         self.train_log.batch_ended()
 
     def _align_logger_step(self) -> None:
-        """Where Lightning's logger step is set to the adapter's meaning (``logs``)."""
-        self.adapter.logs.align_logger_step(self)
+        """Where Lightning's logger step is set (``adapter.steps``)."""
+        self.adapter.steps.align_logger_step(self)
 
     def _log_step(self) -> int:
-        """The logger step of the values of the step that just ran: the adapter's
-        (``global_step``; the Lightning port logs at Lightning's own step instead)."""
-        return self.adapter.logs.log_step(self)  # type: ignore[no-any-return]
+        """The logger step of the values of the step that just ran (``adapter.steps``)."""
+        return self.adapter.steps.log_step(self)  # type: ignore[no-any-return]
 
     def _logging_step(self, before: int) -> bool:
-        """Whether the step that just ran (``before``: ``global_step`` before it) is a
-        logging step: it completed a multiple of ``log_every_n_steps`` optimizer steps, as
-        Lightning's ``(step + 1) % log_every_n_steps == 0``."""
-        every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
-        return bool(self.trainer.global_step // every > before // every)
+        """Whether the step that just ran is a logging step (``adapter.steps``)."""
+        return self.adapter.steps.logging_step(self, before)  # type: ignore[no-any-return]
 
     def _outputs_wanted(self) -> bool:
         """A user callback overrides ``on_train_batch_end``: it may read ``outputs["loss"]``.

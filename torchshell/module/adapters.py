@@ -54,6 +54,7 @@ from torchshell.module._evaluation import EvalHooks
 from torchshell.module._flax_checks import check_batch
 from torchshell.module._parts import OptaxOptimizer
 from torchshell.module._train_log import TrainLogs
+from torchshell.module._train_parts import TrainSteps
 from torchshell.trace._loss import (
     is_torch_loss,
     torch_function_loss,
@@ -209,6 +210,20 @@ class Adapter:
     - ``last_step_values(module)``: in ``on_train_end``; ``None`` (``callback_metrics`` end
       with the last step's values).
 
+    ``steps`` (:class:`~torchshell.module._train_parts.TrainSteps`: ``jaxcore.make_train_step``
+    of the model and loss; the port's is the user's manual optimization, when it has it):
+
+    - ``make_train_step(module, micro, state, grad_scale, ragged)``: when a step is built; the
+      (uncompiled) ``jaxcore.Step``.
+    - ``compile_train_step(module, micro, state, jbatch)``: on the first batch (beside the
+      state's init) or after the step was dropped; ``None`` (``module._train_step`` set).
+    - ``step_for(module, micro, jbatch)``: before each call; the compiled step to call.
+    - ``counted(module)``: around each ``training_step``; a context manager (``global_step``
+      counts what the port's manual steps call ``opt.step()``).
+    - ``align_logger_step(module)`` / ``log_step(module)``: as ``logs``'s (which the default
+      calls); ``logging_step(module, before)``: after each step; whether it is a logging
+      step.
+
     ``evaluation`` (:class:`~torchshell.module._evaluation.EvalHooks`: the loss function as
     exact masked means; the port's runs the user's own hooks, traced):
 
@@ -236,6 +251,7 @@ class Adapter:
         self.checkpoint = CheckpointLayout()
         self.logs = TrainLogs()
         self.evaluation = EvalHooks()
+        self.steps = TrainSteps()
 
     # -- per batch ------------------------------------------------------------------------
     def prepare(self, batch: Any) -> Any:

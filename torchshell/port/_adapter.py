@@ -28,6 +28,7 @@ from torchshell.module._batches import MicroBatches, containers_as_nodes, host_f
 from torchshell.module._flax_checks import check_lengths_and_masks
 from torchshell.module.adapters import Placement, TorchAdapter
 from torchshell.port._ckpt_part import LightningCheckpoint
+from torchshell.port._manual_parts import LightningSteps
 from torchshell.port._optim_part import LightningOptimizer
 from torchshell.port._rows import common_rows
 from torchshell.port._trace import LightningPort
@@ -45,7 +46,9 @@ class LightningAdapter(TorchAdapter):
     ``logs`` names the training values as the user's ``self.log`` calls do and adds up their
     epoch means (:class:`~torchshell.port._user.LightningLogs`); ``evaluation`` runs the
     user's ``validation_step``/``test_step``/``predict_step`` traced, their ``self.log``
-    values through Lightning's (:class:`~torchshell.port._user.LightningEvaluation`).
+    values through Lightning's (:class:`~torchshell.port._user.LightningEvaluation`);
+    ``steps`` supplies the user's manual optimization's step and its ``opt.step()`` counts
+    (:class:`~torchshell.port._manual_parts.LightningSteps`).
 
     Args:
         model_fns: the port's ``init``/``apply`` (:meth:`LightningPort.model_fns`).
@@ -60,6 +63,7 @@ class LightningAdapter(TorchAdapter):
         self.checkpoint: LightningCheckpoint = LightningCheckpoint(port, self.optim)
         self.logs: LightningLogs = LightningLogs(port)
         self.evaluation: LightningEvaluation = LightningEvaluation(port)
+        self.steps: LightningSteps = LightningSteps(port)
 
     def prepare(self, batch: Any) -> Any:
         """The user's batch as it came, checked as torch would, host-only fields set aside."""

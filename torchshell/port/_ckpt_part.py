@@ -5,8 +5,8 @@ the user's host code's in-place weight changes kept.
 The group owns what a restore holds until the state exists; its methods receive the
 :class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
 :class:`~torchshell.checkpoint._part.CheckpointLayout`). Manual optimization's optimizer
-states are the module's (:class:`~torchshell.port._manual_parts.ManualParts`), called
-through it.
+states are the step group's (``adapter.steps``:
+:class:`~torchshell.port._manual_parts.LightningSteps`).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class LightningCheckpoint(CheckpointLayout):
         state = state.replace(params=put(state.params), model_state=put(state.model_state))
         torch_opt, self.restore_optim = self.restore_optim, None
         mapped = self.optim.mapped
-        if module.manual and torch_opt is not None and module.tx is None:  # (the whole .ckpt)
-            return module._manual_restore(state, torch_opt)
+        steps = module.adapter.steps
+        if steps.manual and torch_opt is not None and module.tx is None:  # (the whole .ckpt)
+            return steps.restore_optimizers(module, state, torch_opt)
         if torch_opt is None or mapped is None or module.tx is not None:
             print(
                 "coreshell: starting from the checkpoint's weights; it holds no optimizer state "
@@ -155,8 +156,8 @@ class LightningCheckpoint(CheckpointLayout):
         else:
             checkpoint["state_dict"] = module.torch_state_dict()
             mapped = self.optim.mapped
-            if module.manual and module.tx is None:
-                module._manual_checkpoint(checkpoint)
+            if module.adapter.steps.manual and module.tx is None:
+                module.adapter.steps.save_optimizers(module, checkpoint)
             elif mapped is not None and module.tx is None:  # plain Lightning resumes from it
                 opt_state = module.state.opt_state
                 if module.flags.clip_val is not None:
@@ -188,5 +189,6 @@ class LightningCheckpoint(CheckpointLayout):
             # a plain Lightning run counted its optimizer steps under automatic optimization
             loop["epoch_loop.manual_optimization.optim_step_progress"] = steps
         if _state_io.STATE_KEY not in checkpoint and checkpoint.get("optimizer_states"):
-            self.restore_optim = checkpoint if module.manual else checkpoint["optimizer_states"][0]
+            manual = module.adapter.steps.manual
+            self.restore_optim = checkpoint if manual else checkpoint["optimizer_states"][0]
             self.restore_step = int(checkpoint.get("global_step", 0))

@@ -1,13 +1,20 @@
-"""What :class:`~torchshell.port._module.LightningParts` does under the user's manual
-optimization (``automatic_optimization = False``): the plan of several optimizers, its
-compiled step (:func:`~torchshell.port._manual.manual_step`), ``global_step`` counting
-``opt.step()`` calls, and each optimizer's and scheduler's state in the ``.ckpt``.
+"""The port's step group (``LightningAdapter.steps``): what ``JaxModule.from_lightning`` does
+under the user's manual optimization (``automatic_optimization = False``): the plan of several
+optimizers, its compiled step (:func:`~torchshell.port._manual.manual_step`), ``global_step``
+counting ``opt.step()`` calls, and each optimizer's and scheduler's state in the ``.ckpt``;
+under automatic optimization, the default step kept with the Trainer values its trace read.
+
+The group owns the manual state between hooks; its methods receive the
+:class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
+:class:`~torchshell.module._train_parts.TrainSteps`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -15,12 +22,13 @@ import jax
 import jaxcore
 from torchshell._errors import ConfigError
 from torchshell.module._batches import MicroBatches
+from torchshell.module._train_parts import TrainSteps
 from torchshell.port._host_reads import reads_hold, reusable, watching_trainer
 from torchshell.port._logs import STEP_KEY
 from torchshell.port._manual import manual_step
 from torchshell.port._manual_optim import ManualPlan, map_manual
 
-__all__ = ["MANUAL_REFUSED", "ManualParts"]
+__all__ = ["MANUAL_REFUSED", "LightningSteps"]
 
 # Hooks Lightning runs around manual_backward / opt.step (on_before_backward, backward,
 # on_after_backward, on_before_optimizer_step): the stand-ins do not run them. Others it never
@@ -29,29 +37,26 @@ __all__ = ["MANUAL_REFUSED", "ManualParts"]
 MANUAL_REFUSED = ("backward", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
-class ManualParts:
-    """Manual optimization's part of :class:`LightningParts` (see the module docstring)."""
+class LightningSteps(TrainSteps):
+    """The user's manual optimization, and the compiled steps kept with the Trainer values
+    their traces read (see the module docstring).
 
-    port: Any
-    flags: Any
-    tx: Any
-    state: Any
-    nan_policy: str
-    trainer: Any
-    _trainer: Any
-    adapter: Any  # torchshell.port._adapter.LightningAdapter (its optim group: pristine)
-    _synced: Any
-    steps_per_call: int
-    accum_steps: int
-    _manual_total: int | None
-    _host_steps: list[tuple[dict[str, Any], Any]]
+    Args:
+        port: the traced user module (:class:`~torchshell.port._trace.LightningPort`).
+    """
+
+    def __init__(self, port: Any) -> None:
+        self.port = port
+        self.total: int | None = None  # the step count the manual plan was made for
+        # compiled steps, with the Trainer values each was traced with
+        self.host_steps: list[tuple[dict[str, Any], Any]] = []
 
     @property
     def manual(self) -> bool:
         """The user's module steps its optimizers itself."""
         return not self.port.module.automatic_optimization
 
-    def _check_manual(self) -> None:
+    def check(self, module: Any) -> None:
         """Refuses what manual optimization cannot be combined with, naming it and the fix."""
         owner = type(self.port.module).__name__
         custom = [hook for hook in MANUAL_REFUSED if self.port.overrides(hook)]
@@ -62,29 +67,30 @@ class ManualParts:
                 "(its gradients are not torch .grad tensors). Fix: remove the override, or "
                 "move its code into training_step (e.g. self.clip_gradients(opt, ...))."
             )
-        if self.tx is not None:
+        if module.tx is not None:
             raise ConfigError(
                 f"{owner} uses manual optimization and optimizer= was given: its training_step "
                 "steps its own optimizers. Fix: drop optimizer=, or return the loss with "
                 "automatic optimization."
             )
-        if self.flags.accumulate > 1 or self.flags.clip_val is not None:
+        flags = module.flags
+        if flags.accumulate > 1 or flags.clip_val is not None:
             raise ConfigError(
                 f"{owner} uses manual optimization with Trainer(accumulate_grad_batches="
-                f"{self.flags.accumulate}, gradient_clip_val={self.flags.clip_val}), which "
+                f"{flags.accumulate}, gradient_clip_val={flags.clip_val}), which "
                 "Lightning refuses too. Fix: clip in training_step with self.clip_gradients("
                 "opt, gradient_clip_val=...), and drop accumulate_grad_batches."
             )
-        if self.steps_per_call > 1 or self.accum_steps > 1:
+        if module.steps_per_call > 1 or module.accum_steps > 1:
             raise ConfigError(
-                f"{owner} uses manual optimization with steps_per_call={self.steps_per_call}, "
-                f"accum_steps={self.accum_steps}. Fix: set both to 1."
+                f"{owner} uses manual optimization with steps_per_call={module.steps_per_call}, "
+                f"accum_steps={module.accum_steps}. Fix: set both to 1."
             )
 
-    def _map_manual(self, *, provisional: bool) -> None:
+    def map(self, module: Any, *, provisional: bool) -> None:
         """Maps the user's optimizers; schedulers tabulated for the run's batches (a few
         ``sch.step()`` calls per batch at most; later calls keep the last value)."""
-        trainer = self._trainer
+        trainer = module._trainer
         batches = None if trainer is None or provisional else trainer.num_training_batches
         total = 1
         if batches is not None and trainer is not None:
@@ -93,145 +99,150 @@ class ManualParts:
             elif not math.isinf(batches):
                 epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
                 total = int(batches) * epochs
-        if self.port.manual_plan is not None and self._manual_total == total:
+        if self.port.manual_plan is not None and self.total == total:
             return
-        self._manual_total = total
+        self.total = total
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
         }
-        pristine = self.adapter.optim.pristine  # (configure_optimizers() as first returned)
+        pristine = module.adapter.optim.pristine  # (configure_optimizers() as first returned)
         self.port.manual_plan = map_manual(pristine, named, total_steps=4 * total + 1)
-        self._train_step = None  # the tables are constants of the compiled step
-        self._host_steps.clear()
+        module._train_step = None  # the tables are constants of the compiled step
+        self.host_steps.clear()
         if trainer is not None and not provisional and trainer.is_global_zero:
             names = ", ".join(m.description for m in self.port.manual_plan.mapped)
             print(f"coreshell: manual optimization, optimizers {names} (mapped onto optax)")
 
-    @property
-    def manual_plan(self) -> ManualPlan:
+    def plan(self, module: Any) -> ManualPlan:
         """The mapped optimizers (mapped on first use)."""
         if self.port.manual_plan is None:
-            self._map_manual(provisional=True)
+            self.map(module, provisional=True)
         plan: ManualPlan = self.port.manual_plan
         return plan
 
-    def _make_train_step(self, micro: int, state: Any, **kwargs: Any) -> jaxcore.Step:
+    def make_train_step(
+        self, module: Any, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
+    ) -> jaxcore.Step:
         if not self.manual:
-            return super()._make_train_step(micro, state, **kwargs)  # type: ignore[misc]
-        self._check_manual()
+            return super().make_train_step(module, micro, state, grad_scale, ragged)
+        self.check(module)
         return manual_step(
             self.port,
-            self.manual_plan,
+            self.plan(module),
             state_sharding=jaxcore.state_shardings(state),
-            nan_policy=self.nan_policy,
+            nan_policy=module.nan_policy,
         )
 
-    def _compile_train_step(self, micro: int, state: Any, jbatch: Any) -> None:
+    def compile_train_step(self, module: Any, micro: int, state: Any, jbatch: Any) -> None:
         """Each compiled step is kept with the Trainer values its trace read
         (``is_last_batch``...: :mod:`torchshell.port._host_reads`); those traced with values
         that cannot come back (an earlier epoch's) are freed."""
         self.port.host_reads = {}
-        jbatch = self._with_step(jbatch)
+        jbatch = self.with_step(module, jbatch)
         if self.manual:  # (watched inside the manual step's own trace)
-            super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
+            super().compile_train_step(module, micro, state, jbatch)
         else:
             with watching_trainer(self.port.host_reads):
-                super()._compile_train_step(micro, state, jbatch)  # type: ignore[misc]
+                super().compile_train_step(module, micro, state, jbatch)
         reads = dict(self.port.host_reads)
-        self._host_steps[:] = [*reusable(self._host_steps, reads), (reads, self._train_step)]
+        self.host_steps[:] = [*reusable(self.host_steps, reads), (reads, module._train_step)]
 
-    def _step_for(self, micro: int, jbatch: Any) -> jaxcore.Step:
+    def step_for(self, module: Any, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step traced with the Trainer values of this batch (traced anew for
         values none was traced with)."""
-        if self._train_step is None:  # rebuilt (new flags, a new optimizer): none holds
-            self._host_steps.clear()
-        elif self._host_steps and self._host_steps[0][0]:  # (no reads: the one program)
-            found = (s for reads, s in self._host_steps if reads_hold(self.trainer, reads))
-            self._train_step = next(found, None)
-        step = super()._step_for(micro, jbatch)  # type: ignore[misc]
-        if not self._window_reads_step(jbatch):
-            return step  # type: ignore[no-any-return]
-        return _StepWithCount(step, self._with_step)  # type: ignore[return-value]
+        if module._train_step is None:  # rebuilt (new flags, a new optimizer): none holds
+            self.host_steps.clear()
+        elif self.host_steps and self.host_steps[0][0]:  # (no reads: the one program)
+            found = (s for reads, s in self.host_steps if reads_hold(module.trainer, reads))
+            module._train_step = next(found, None)
+        step = super().step_for(module, micro, jbatch)
+        if not self.window_reads_step(module, jbatch):
+            return step
+        with_step = functools.partial(self.with_step, module)
+        return _StepWithCount(step, with_step)  # type: ignore[return-value]
 
-    def _window_reads_step(self, jbatch: Any) -> bool:
+    def window_reads_step(self, module: Any, jbatch: Any) -> bool:
         """An accumulation window's batches, stacked or not, and ``training_step`` reads
         ``global_step`` (a single batch has it already: ``LightningPort.specialise``)."""
         has = isinstance(jbatch, Mapping) and STEP_KEY in jbatch
-        return self.port.reads_step and self.flags.accumulate > 1 and not has
+        return self.port.reads_step and module.flags.accumulate > 1 and not has
 
-    def _with_step(self, jbatch: Any) -> Any:
+    def with_step(self, module: Any, jbatch: Any) -> Any:
         """The window's batches with the Trainer's ``global_step`` beside them (the same for
         each: one optimizer step), when ``training_step`` reads it."""
-        if not self._window_reads_step(jbatch):
+        if not self.window_reads_step(module, jbatch):
             return jbatch
         if isinstance(jbatch, MicroBatches):  # (shapes differ: each its own batch)
             return MicroBatches(self.port.with_step(b) for b in jbatch)
         return self.port.with_step(jbatch, micro=len(jax.tree.leaves(jbatch)[0]))
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
+    def counted(self, module: Any) -> contextlib.AbstractContextManager[None]:
         """Under manual optimization ``global_step`` counts ``opt.step()`` calls, as in
         Lightning (two optimizers stepped: two per batch)."""
-        if not self.manual:
-            return super().training_step(batch, batch_idx)  # type: ignore[misc]
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        return self._counting(module) if self.manual else super().counted(module)
+
+    @contextlib.contextmanager
+    def _counting(self, module: Any) -> Iterator[None]:
+        progress = module.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         before = progress.total.completed
-        out = super().training_step(batch, batch_idx)  # type: ignore[misc]
+        yield
         n = self.port.manual_steps
         progress.total.ready = progress.total.completed = before + n
         progress.current.ready = progress.current.completed = progress.current.completed - 1 + n
-        return out
 
     # -- logging: Lightning's logger step under manual optimization counts batches ----------
-    def _align_logger_step(self) -> None:
+    def align_logger_step(self, module: Any) -> None:
         """(Lightning's own count, batches, is the logger step under manual optimization.)"""
         if not self.manual:
-            super()._align_logger_step()  # type: ignore[misc]
+            super().align_logger_step(module)
 
-    def _log_step(self) -> int:
+    def log_step(self, module: Any) -> int:
         """Under manual optimization plain Lightning logs a batch's values at the batches
         before it (however many ``opt.step()`` calls each made)."""
         if not self.manual:
-            return super()._log_step()  # type: ignore[misc,no-any-return]
-        return int(self.trainer.fit_loop.epoch_loop._batches_that_stepped)
+            return super().log_step(module)
+        return int(module.trainer.fit_loop.epoch_loop._batches_that_stepped)
 
-    def _logging_step(self, before: int) -> bool:
+    def logging_step(self, module: Any, before: int) -> bool:
         """Under manual optimization every ``log_every_n_steps``-th batch, as Lightning."""
         if not self.manual:
-            return super()._logging_step(before)  # type: ignore[misc,no-any-return]
-        every = max(int(self.trainer.log_every_n_steps), 1)
-        return (self._log_step() + 1) % every == 0
+            return super().logging_step(module, before)
+        every = max(int(module.trainer.log_every_n_steps), 1)
+        return (self.log_step(module) + 1) % every == 0
 
-    def _host_schedulers(self) -> Any:
+    def host_schedulers(self, module: Any) -> Any:
         """``self.lr_schedulers()`` in the user's host hooks (``on_train_epoch_end``...) under
         manual optimization: each one's ``step()`` steps the torch scheduler and moves the
         compiled step's schedule of its optimizer one entry on, as the traced
         ``sch.step()`` does."""
-        pairs = zip(self.trainer.lr_scheduler_configs, self.manual_plan.sched_opt, strict=True)
-        out = [_HostScheduler(self, c.scheduler, i) for c, i in pairs]
+        configs, plan = module.trainer.lr_scheduler_configs, self.plan(module)
+        pairs = zip(configs, plan.sched_opt, strict=True)
+        out = [_HostScheduler(self, module, c.scheduler, i) for c, i in pairs]
         return (out[0] if len(out) == 1 else out) or None
 
-    def _step_schedule(self, opt_index: int) -> None:
+    def step_schedule(self, module: Any, opt_index: int) -> None:
         """One ``sch.step()`` of optimizer ``opt_index``'s scheduler, on the JAX state."""
-        if self.state is None:
+        if module.state is None:
             return
-        synced = self._synced is self.state
-        opt_state = list(self.state.opt_state)
+        synced = module._synced is module.state
+        opt_state = list(module.state.opt_state)
         own = opt_state[opt_index]
         opt_state[opt_index] = own._replace(sched=own.sched + 1)
-        self.state = self.state.replace(opt_state=tuple(opt_state))
+        module.state = module.state.replace(opt_state=tuple(opt_state))
         if synced:  # (the weights did not change)
-            self._synced = self.state
+            module._synced = module.state
 
-    def _manual_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def save_optimizers(self, module: Any, checkpoint: dict[str, Any]) -> None:
         """Each optimizer's and scheduler's state as plain Lightning writes them."""
-        optimizers, schedulers = self.manual_plan.to_torch(jax.device_get(self.state.opt_state))
+        opt_state = jax.device_get(module.state.opt_state)
+        optimizers, schedulers = self.plan(module).to_torch(opt_state)
         checkpoint["optimizer_states"] = optimizers
         checkpoint["lr_schedulers"] = schedulers
 
-    def _manual_restore(self, state: Any, checkpoint: Mapping[str, Any]) -> Any:
+    def restore_optimizers(self, module: Any, state: Any, checkpoint: Mapping[str, Any]) -> Any:
         """``state.opt_state`` from a plain Lightning checkpoint's optimizer and scheduler
         states."""
-        opt_state = self.manual_plan.from_torch(
+        opt_state = self.plan(module).from_torch(
             checkpoint.get("optimizer_states", ()),
             checkpoint.get("lr_schedulers", ()),
             state.params,
@@ -243,8 +254,9 @@ class ManualParts:
 class _HostScheduler:
     """A scheduler as the user's host hooks see it under manual optimization."""
 
-    def __init__(self, parts: ManualParts, scheduler: Any, opt_index: int) -> None:
-        self._parts, self._scheduler, self._opt_index = parts, scheduler, opt_index
+    def __init__(self, steps: LightningSteps, module: Any, scheduler: Any, opt_index: int) -> None:
+        self._steps, self._module = steps, module
+        self._scheduler, self._opt_index = scheduler, opt_index
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Steps the torch scheduler and the compiled step's schedule."""
@@ -256,7 +268,7 @@ class _HostScheduler:
         # (its optimizer was stepped, in the compiled step: torch's order check passes)
         self._scheduler.optimizer._opt_called = True
         self._scheduler.step()
-        self._parts._step_schedule(self._opt_index)
+        self._steps.step_schedule(self._module, self._opt_index)
 
     def __getattr__(self, name: str) -> Any:  # get_last_lr(), state_dict(), ...
         return getattr(self._scheduler, name)

@@ -17,6 +17,7 @@ What differs from the Flax path of :class:`~torchshell.module.JaxModule`:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning as L
@@ -30,7 +31,6 @@ from torchshell.module._batches import (
 from torchshell.module._parts import _Shared
 from torchshell.port._adapter import LightningAdapter
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
-from torchshell.port._manual_parts import ManualParts
 from torchshell.port._prepare import check_trainable, layers_changed
 from torchshell.port._trace import LightningPort
 from torchshell.port._weights import synced_on_read
@@ -85,7 +85,7 @@ _OPTIMIZER_HOOKS = (
 )
 
 
-class LightningParts(ManualParts, _Shared):
+class LightningParts(_Shared):
     """What :class:`~torchshell.module.LightningJaxModule` adds to a ``JaxModule``.
 
     A part, not a ``JaxModule`` itself (``torchshell.module`` builds the class from it, so
@@ -110,7 +110,7 @@ class LightningParts(ManualParts, _Shared):
     ) -> None:
         port = LightningPort(module)
         custom = [hook for hook in _OPTIMIZER_HOOKS if port.overrides(hook)]
-        if custom and module.automatic_optimization:  # (manual: see ManualParts)
+        if custom and module.automatic_optimization:  # (manual: see LightningSteps)
             raise ConfigError(
                 f"{type(module).__name__} overrides {custom}: torch code around the backward "
                 "pass or the optimizer step, which the compiled JAX step does not run. Fix: "
@@ -120,9 +120,6 @@ class LightningParts(ManualParts, _Shared):
         super().__init__(port.model_fns(), port.loss_fn, optimizer, **kwargs)
         object.__setattr__(self, "port", port)  # the user's module is not a submodule
         self.adapter = LightningAdapter(self.model_fns, self.placement, port)
-        self._manual_total: int | None = None  # the step count the manual plan was made for
-        # compiled manual steps, with the Trainer values each was traced with
-        self._host_steps: list[tuple[dict[str, Any], Any]] = []
         for hook in _EVAL_HOOKS[:2]:  # Lightning skips a loop whose hook is not overridden
             # (predict_step stays: Lightning's default one calls the module's forward)
             if not port.overrides(hook):
@@ -142,7 +139,12 @@ class LightningParts(ManualParts, _Shared):
         def on_train_epoch_start() -> None:
             epoch_start()  # (after the callbacks' and the user's: a freeze or unfreeze there)
             # before the first step (a freeze in on_train_start): traced and mapped anew
-            if self.state is None and not self.manual and port.refresh() and self.tx is None:
+            if (
+                self.state is None
+                and not self.adapter.steps.manual
+                and port.refresh()
+                and self.tx is None
+            ):
                 self.adapter.optim.remap(self)
             optimizers = None if self.tx is not None else self.trainer.optimizers
             check_trainable(port.module, port.tracer, optimizers, self.current_epoch)
@@ -182,8 +184,10 @@ class LightningParts(ManualParts, _Shared):
             ours(*args, **kwargs)
             user = self.port.module
             user.log, user.log_dict = self.log, self.log_dict  # type: ignore[method-assign]
-            if self.manual:  # (its sch.step() moves the compiled step's schedule)
-                user.lr_schedulers = self._host_schedulers  # type: ignore[method-assign]
+            steps = self.adapter.steps
+            if steps.manual:  # (its sch.step() moves the compiled step's schedule)
+                host = functools.partial(steps.host_schedulers, self)
+                user.lr_schedulers = host  # type: ignore[method-assign]
             try:
                 with synced_on_read(user, self._sync_user_weights):
                     return theirs(*args, **kwargs)
@@ -269,7 +273,8 @@ class LightningParts(ManualParts, _Shared):
         return {"loss": torch.tensor(float(loss)) / self.flags.accumulate, **extras}
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if any(type(c).__name__ == "LearningRateMonitor" for c in self.trainer.callbacks):
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
+        if any(type(c).__name__ == "LearningRateMonitor" for c in callbacks):
             self.adapter.optim.sync_torch_lr(self)
         super().on_train_batch_end(outputs, batch, batch_idx)
 
@@ -277,7 +282,7 @@ class LightningParts(ManualParts, _Shared):
         """The module's ``on_after_backward``/``on_before_optimizer_step``, traced on the
         step's gradients (``LightningPort.grads_fn``), or ``None`` when it has neither."""
         hooks = tuple(hook for hook in GRADS_HOOKS if self.port.overrides(hook))
-        if not hooks or self.manual:  # (manual: refused, see ManualParts)
+        if not hooks or self.adapter.steps.manual:  # (manual: refused, see LightningSteps)
             return None
         if "on_after_backward" in hooks and self.flags.accumulate > 1:
             raise ConfigError(

@@ -5,7 +5,7 @@ step with the torch optimizers, ``ReduceLROnPlateau`` stepped on the monitored v
 The group owns what the mapping needs between hooks; its methods receive the
 :class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
 :class:`~torchshell.module._parts.OptaxOptimizer`). Manual optimization's plan stays the
-module's (:class:`~torchshell.port._manual_parts.ManualParts`), called through it.
+step group's (``adapter.steps``: :class:`~torchshell.port._manual_parts.LightningSteps`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class LightningOptimizer(OptaxOptimizer):
         if module.tx is not None:
             return []
         self.configured(module)
-        if module.manual:  # the user's own return: its training_step steps them (by hand)
+        if (
+            module.adapter.steps.manual
+        ):  # the user's own return: its training_step steps them (by hand)
             return self.returned
         optimizer, configs = parse_configure_optimizers(self.returned)
         self.configs = configs
@@ -124,8 +126,8 @@ class LightningOptimizer(OptaxOptimizer):
         loaders exist, the state's structure only); the module's compiled steps are dropped
         when the tables change."""
         self.configured(module)
-        if module.manual:
-            module._map_manual(provisional=provisional)
+        if module.adapter.steps.manual:
+            module.adapter.steps.map(module, provisional=provisional)
             return
         named = {
             k: v for k, v in self.port.module.named_parameters() if k in self.port.tracer.params0
@@ -162,9 +164,10 @@ class LightningOptimizer(OptaxOptimizer):
     def optimizer(self, module: Any) -> optax.GradientTransformation:
         """The mapped optimizer (or ``optimizer=``'s transform) after the Trainer's clipping;
         under manual optimization, the plan's optimizers."""
-        if module.manual and module.tx is None:
+        steps = module.adapter.steps
+        if steps.manual and module.tx is None:
             self.configured(module)
-            return module.manual_plan.tx()  # type: ignore[no-any-return]
+            return steps.plan(module).tx()  # type: ignore[no-any-return]
         if module.tx is None:
             if self.mapped is None:  # the state's structure; tables come at train start
                 self.map(module, provisional=True)
@@ -191,8 +194,8 @@ class LightningOptimizer(OptaxOptimizer):
                 "meaningless suggestion). Fix: choose the lr with a few short fits at "
                 "different lr values, or run lr_find on the plain LightningModule."
             )
-        if module.manual:
-            module._check_manual()
+        if module.adapter.steps.manual:
+            module.adapter.steps.check(module)
         if module.tx is None:
             self.map(module, provisional=False)
             if module._trainer is not None and trainer.is_global_zero and self.mapped:

@@ -107,7 +107,8 @@ class LightningLogs(TrainLogs):
         steps no torch optimizer): so what ``self.log`` logs in an epoch-end hook lands at
         the step plain Lightning gives it, also under ``accumulate_grad_batches``.
 
-        (Under manual optimization ``ManualParts`` keeps Lightning's own count.)"""
+        (Under manual optimization the step group, ``LightningSteps``, keeps Lightning's own
+        count.)"""
         if module._trainer is not None:
             trainer = module.trainer
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
