@@ -91,12 +91,15 @@ def environment(reads: Reads) -> Any:
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
         **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
     }
-    # torch.distributions' samplers (Beta(a, a).sample(): mixup) draw from the trace's key
-    samplers = {
+    with_env = {
+        # torch.distributions' samplers (Beta(a, a).sample(): mixup) draw from the trace's key
         torch.ops.aten._sample_dirichlet.default: sample_dirichlet,
         torch.ops.aten._standard_gamma.default: standard_gamma,
+        # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
+        F.scaled_dot_product_attention: sdpa,
+        torch.ops.aten.scaled_dot_product_attention: sdpa,
     }
-    for table, needs_env in ((lowerings, False), (samplers, True)):
+    for table, needs_env in ((lowerings, False), (with_env, True)):
         for aten_op, lowering in table.items():
             env._ops[aten_op] = ops_registry.Operator(
                 aten_op,
@@ -106,16 +109,6 @@ def environment(reads: Reads) -> Any:
                 needs_env=needs_env,
                 is_view_op=False,
             )
-    # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
-    for function in (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
-        env._ops[function] = ops_registry.Operator(
-            function,
-            sdpa,
-            is_jax_function=True,
-            is_user_defined=True,
-            needs_env=True,
-            is_view_op=False,
-        )
     env._ops[F.multi_head_attention_forward] = ops_registry.Operator(
         F.multi_head_attention_forward,
         mha_forward,
