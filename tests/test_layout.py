@@ -187,13 +187,37 @@ def test_wheel_ships_conf_inside_torchshell(tmp_path: Path):
     assert not missing, f"not in the wheel (list them in pyproject.toml's packages): {missing}"
 
 
-def test_the_port_adds_method_groups_not_mixins():
-    """``from_lightning``'s optimizer mapping, checkpoint layout, log names, evaluation and
-    manual steps are groups its adapter owns (``adapter.optim``, ...; issue #37), not part
-    classes stacked on ``JaxModule``: one port class is left in the MRO."""
-    from torchshell.module._jax_module import LightningJaxModule
+def test_from_lightning_is_a_jax_module_with_an_adapter_no_port_class():
+    """``from_lightning``'s optimizer mapping, checkpoint layout, log names, evaluation, manual
+    steps and the user's own hooks are groups its adapter owns (``adapter.optim``, ...,
+    ``adapter.hooks``; issue #37): the module is a plain ``JaxModule``, no port class in its
+    MRO, and ``torchshell.module`` imports the port, never the reverse."""
+    import ast
 
-    port = [
-        c.__name__ for c in LightningJaxModule.__mro__ if c.__module__.startswith("torchshell.port")
-    ]
-    assert port == ["LightningParts"]
+    import lightning as L
+    import torch
+
+    from torchshell.module import JaxModule
+    from torchshell.port import LightningAdapter
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = JaxModule.from_lightning(Tiny(), print_summary=False)
+    assert type(module) is JaxModule and isinstance(module.adapter, LightningAdapter)
+    assert not [c for c in type(module).__mro__ if c.__module__.startswith("torchshell.port")]
+    port = ROOT / "torchshell" / "port"
+    for path in port.glob("*.py"):  # (the module's own package: never imported by the port)
+        tree = ast.parse(path.read_text())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [
+            m for m in imported if m in ("torchshell.module", "torchshell.module._jax_module")
+        ], path

@@ -267,7 +267,7 @@ def test_validation_outputs_appended_to_a_list_reach_the_epoch_end_hook(tmp_path
     runs = fit_plain_and_ported(StepOutputs, tmp_path, _loader(), _loader(100, 25))
     _close(_metrics(runs["plain"][0]), _metrics(runs["jax"][0]))
     assert runs["jax"][0].callback_metrics["val_batches"] == 4
-    assert runs["jax"][1].port.module.validation_step_outputs == []
+    assert runs["jax"][1].adapter.port.module.validation_step_outputs == []
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

@@ -410,7 +410,7 @@ def test_reading_the_step_counter_in_a_traced_step_follows_the_trainer(tmp_path:
         warnings.simplefilter("always")
         _quiet_trainer(tmp_path, max_steps=3).fit(jm, DataLoader(_rows(), batch_size=16))
     assert not [w for w in seen if "global_step" in str(w.message)]
-    assert type(jm.port.module) is ReadsProgress  # the class is the user's again
+    assert type(jm.adapter.port.module) is ReadsProgress  # the class is the user's again
 
 
 class WithHooks(Small):

@@ -10,7 +10,7 @@
   and number-list fields, :mod:`._flax_checks`).
 """
 
-from torchshell.module._jax_module import JaxModule, LightningJaxModule
+from torchshell.module._jax_module import JaxModule
 from torchshell.module.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 
-__all__ = ["Adapter", "FlaxAdapter", "JaxModule", "LightningJaxModule", "Placement", "TorchAdapter"]
+__all__ = ["Adapter", "FlaxAdapter", "JaxModule", "Placement", "TorchAdapter"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -39,7 +40,8 @@ from torchshell.module.adapters import (
     step_loss,
 )
 from torchshell.optim import map_configure_optimizers
-from torchshell.port._module import LightningParts
+from torchshell.port._adapter import LightningAdapter
+from torchshell.port._trace import LightningPort
 from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -90,6 +92,8 @@ class JaxModule(
         hlo_dump_dir: write the train step's jaxpr/StableHLO/HLO here at its first compile.
         print_summary: print the JAX parameter tree's summary (counts, bytes, sharding)
             when the state is built; Lightning's own summary sees no torch params.
+        adapter: ``(model_fns, placement) -> Adapter``: how the model came in (``from_torch``
+            and ``from_lightning`` pass theirs); a :class:`FlaxAdapter` by default.
 
     Example:
         >>> import jaxcore, lightning as L
@@ -103,9 +107,6 @@ class JaxModule(
         >>> trainer.global_step
         3
     """
-
-    _weigh_rows = True  # a micro-batch weighs its valid rows (exact masked means)
-    supports_windows = True  # from_lightning: False (the user's self.log runs per step)
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class JaxModule(
         nan_policy: str = "stop",
         hlo_dump_dir: str | Path | None = None,
         print_summary: bool = True,
+        adapter: Callable[[ModelFns, Placement], Adapter] | None = None,
     ) -> None:
         super().__init__()
         steps_per_call, auto = resolve_steps_per_call(steps_per_call)
@@ -142,7 +144,6 @@ class JaxModule(
         names = input_names(inputs, self.batch_keys)
         nnx_model = isinstance(model, nnx.Module)
         self.model_fns = model_functions(model, names)
-        loss_fn = step_loss(loss_fn, names, self.batch_keys, per_row=self._weigh_rows)
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "
@@ -150,7 +151,6 @@ class JaxModule(
                 "optimizer) or from_lightning, or an optax transform here "
                 "(jaxcore.make_optimizer('adamw', lr=...))."
             )
-        self.loss_fn = loss_fn
         self.tx = optimizer
         self.mesh = mesh if mesh is not None else jaxcore.make_mesh({data_axis: -1})
         self.seed = seed
@@ -165,9 +165,12 @@ class JaxModule(
             self.mesh, sharding, rules, data_axis=data_axis, model_axis=model_axis
         )
         self.placement = Placement(self.mesh, data_axis, steps_per_call)
-        self.adapter: Adapter = FlaxAdapter(
-            self.model_fns, self.placement, self.batch_keys, nnx_model=nnx_model
+        self.adapter: Adapter = (
+            adapter(self.model_fns, self.placement)
+            if adapter is not None
+            else FlaxAdapter(self.model_fns, self.placement, self.batch_keys, nnx_model=nnx_model)
         )
+        self.loss_fn = step_loss(loss_fn, names, self.batch_keys, per_row=self.adapter.weigh_rows)
         self._state: TrainState | None = None
         self._synced: Any = None  # the state whose weights torch_module holds
         self.compile_stats: jaxcore.CompileStats | None = None
@@ -178,7 +181,7 @@ class JaxModule(
         self._pending: jaxcore.PendingState | None = None  # the init compiling (first batch)
         # a short last accumulation window, or one holding a ragged batch: (micro, ragged)
         self._short_steps: dict[tuple[int, bool], jaxcore.Step] = {}
-        self._train_forward: jaxcore.Step | None = None  # see _outputs_ahead
+        self._train_forward: jaxcore.Step | None = None  # see ModuleHooks.outputs_ahead
         self._restore_dir: Path | None = None
         self._restore_tensors: dict[str, torch.Tensor] | None = None
         self.accumulation = Accumulation()  # Trainer(accumulate_grad_batches=m)'s window
@@ -189,6 +192,7 @@ class JaxModule(
         self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
         self._gathered: list[Any] = []  # loaders read by gathers while a run lasts
         self._fork_warned: set[int] = set()
+        self.adapter.hooks.attach(self)  # (the port: the user's hooks and loaders)
 
     @classmethod
     def from_torch(
@@ -240,12 +244,18 @@ class JaxModule(
             kwargs["batch_keys"] = positional_keys(positions)  # (ids, mask, label): (0, 1)
         keys = tuple(kwargs.get("batch_keys", ("x", "y")))
         names = [keys[i] if isinstance(i, int) else i for i in inputs]
-        jm = cls(torch_model_fns(module, names), loss_fn, optimizer, inputs=names, **kwargs)
-        jm.adapter = TorchAdapter(jm.model_fns, jm.placement, jm.batch_keys, module)
-        return jm
+        adapter = functools.partial(TorchAdapter, batch_keys=keys, torch_module=module)
+        fns = torch_model_fns(module, names)
+        return cls(fns, loss_fn, optimizer, inputs=names, adapter=adapter, **kwargs)
 
     @classmethod
-    def from_lightning(cls, module: L.LightningModule, **kwargs: Any) -> JaxModule:
+    def from_lightning(
+        cls,
+        module: L.LightningModule,
+        *,
+        optimizer: optax.GradientTransformation | None = None,
+        **kwargs: Any,
+    ) -> JaxModule:
         """The team's own ``LightningModule``, unchanged, as the JAX core.
 
         Its ``training_step`` (forward, torch loss, ``self.log``) is traced by torchax into
@@ -256,11 +266,37 @@ class JaxModule(
         :mod:`torchshell.port` and docs/porting.md.
 
         Args:
-            module: the user's ``LightningModule`` (automatic optimization).
-            **kwargs: :class:`JaxModule` options (``mesh``, ``sharding``, ``optimizer=`` an
-                optax transform instead of ``configure_optimizers``, ...).
+            module: the user's ``LightningModule``.
+            optimizer: an optax transform to use instead of ``configure_optimizers``.
+            **kwargs: :class:`JaxModule` options (``mesh``, ``sharding``, ...).
         """
-        return LightningJaxModule(module, **kwargs)
+        port = LightningPort(module)
+        adapter = functools.partial(LightningAdapter, port=port)
+        return cls(port.model_fns(), port.loss_fn, optimizer, adapter=adapter, **kwargs)
+
+    # -- what the module does not hold itself: the adapter's hooks (the port: the user's) --
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(...)`` on the host (the port: the user's module, trained weights)."""
+        return self.adapter.hooks.forward(self, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """torch's lookup, then the adapter's (the port: the user's module's attributes)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "adapter" not in vars(self):  # (before __init__ set it)
+                raise
+        return self.adapter.hooks.attribute(self, name)
+
+    @property
+    def batch_size(self) -> Any:
+        """What Lightning's batch size finder reads and sets: the port's user module's own
+        ``batch_size``; missing (``hasattr`` false) until set otherwise."""
+        return self.adapter.hooks.attribute(self, "batch_size")
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        self.adapter.hooks.set_attribute(self, "batch_size", value)
 
     def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
@@ -310,7 +346,9 @@ class JaxModule(
                         f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
                         "keep accumulate_grad_batches and set the other two to 1."
                     )
-                ahead = self._outputs_ahead(batch, len(self.accumulation.batches), raw)
+                ahead = self.adapter.hooks.outputs_ahead(
+                    self, batch, len(self.accumulation.batches), raw
+                )
                 window = self._window_batch(batch)
                 if window is None:
                     self.train_log.compute += time.perf_counter() - t0
@@ -320,7 +358,7 @@ class JaxModule(
             else:
                 jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
                 micro, steps = self.accum_steps, self.steps_per_call
-                ahead = self._outputs_ahead(batch, 0, raw)
+                ahead = self.adapter.hooks.outputs_ahead(self, batch, 0, raw)
             if self._state is None and self._train_step is None and m == 1:
                 self._compile_beside_init(one, micro, jbatch)
             self.init_state(one)
@@ -360,36 +398,3 @@ class JaxModule(
     @state.setter
     def state(self, value: TrainState | None) -> None:
         self._state = value
-
-    def _buffer_batch(self, batch: Any) -> dict[str, jax.Array] | None:
-        """Keeps the batch; runs the window (its last step's metrics) when one is due."""
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        progress.increment_ready()
-        progress.increment_completed()
-        every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
-        if self.windows.take(batch, self.trainer.global_step, every):
-            return self._run_window()
-        return None
-
-    def _run_window(self) -> dict[str, jax.Array]:
-        """Runs the buffered batches: K in one call, or one per call for a short window."""
-
-        self._state, metrics = self.windows.run(
-            self._state, self.placement, self._window_step, self._one_step
-        )
-        self._last_metrics = metrics
-        return metrics
-
-
-class LightningJaxModule(LightningParts, JaxModule):
-    """A :class:`JaxModule` whose model, loss, logging and optimizer are a LightningModule's.
-
-    Made by :meth:`JaxModule.from_lightning`; the semantics: :mod:`torchshell.port._module`.
-
-    Args:
-        module: the user's ``LightningModule``.
-        optimizer: an optax transform to use instead of ``configure_optimizers``.
-        **kwargs: :class:`JaxModule` options.
-    """
-
-    supports_windows = False  # the user's self.log and epoch aggregation run per step

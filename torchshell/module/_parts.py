@@ -64,7 +64,6 @@ class _Shared(L.LightningModule):
     _state: Any
     windows: Any  # torchshell.module._windows.Windows
     evaluation: Any  # torchshell.module._evaluation.Evaluation
-    supports_windows: bool
     flags: TrainerFlags
     _flag_originals: dict[str, Any] | None
     _train_step: jaxcore.Step | None
@@ -75,7 +74,6 @@ class _Shared(L.LightningModule):
     _synced: Any  # the state whose weights torch_module holds
     _quiet: contextlib.ExitStack | None
     accumulation: Any  # torchshell.module._accumulation.Accumulation
-    _weigh_rows: bool
     _float_fields: list[str] | None
     _stats_due: bool
     _wants_outputs: tuple[Any, bool]
@@ -101,7 +99,6 @@ class _Shared(L.LightningModule):
     init_state: Callable[[Any], Any]
     torch_state_dict: Callable[..., dict[str, torch.Tensor]]
     _outputs_wanted: Callable[[], bool]
-    _outputs_ahead: Callable[[Any, int, Any], dict[str, Any] | None]
     _step_forward: Callable[[Any, int], tuple[Any, jax.Array]]
     _log_to_loggers: Callable[[dict[str, float]], None]
 
@@ -118,7 +115,7 @@ class TrainerFlagsPart(_Shared):
         if trainer is not None and self._flag_originals is None:
             flags, self._flag_originals = adopt_flags(trainer)
             self._adopt(flags)
-            self._match_val_loader(trainer)
+            self.adapter.hooks.trainer_attached(self, trainer)  # (the val loader matched)
 
     # -- the run's loaders, checked before their workers start --------------------------------
     def on_train_start(self) -> None:
@@ -169,18 +166,6 @@ class TrainerFlagsPart(_Shared):
                     stacklevel=2,
                 )
 
-    def _match_val_loader(self, trainer: L.Trainer) -> None:
-        """Validation runs when the run has a val loader (no Lightning warning otherwise).
-
-        Lightning warns about a ``validation_step`` without a ``val_dataloader``; this one is
-        ours, not the user's, so without a loader it is hidden (Lightning's own check).
-        """
-        has_loader = trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
-        if has_loader:
-            self.__dict__.pop("validation_step", None)
-        else:
-            self.validation_step = L.LightningModule.validation_step.__get__(self)  # type: ignore[method-assign]
-
     def _adopt(self, flags: TrainerFlags) -> None:
         if flags.compute_dtype is not None and self.compute_dtype not in (
             None,
@@ -212,8 +197,10 @@ class TrainerFlagsPart(_Shared):
         self._quiet = contextlib.ExitStack()
         self._quiet.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=_AFTER_STEP_WARNING, category=UserWarning)
+        self.adapter.hooks.setup(self, stage)  # (the port: the user's own setup)
 
     def teardown(self, stage: str) -> None:
+        self.adapter.hooks.teardown(self, stage)
         from torchshell.data._gathered import read_normally
 
         for loader in self._gathered:

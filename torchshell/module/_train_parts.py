@@ -53,10 +53,10 @@ class TrainSteps:
             grad_scale=grad_scale,
             compute_dtype=module._compute_dtype,
             nan_policy=module.nan_policy,
-            weigh_rows=module._weigh_rows,
+            weigh_rows=module.adapter.weigh_rows,
             unrolled_micro=ragged,
-            per_micro=window and not module._weigh_rows,  # Lightning's per-batch self.log
-            grads_fn=module._grads_fn(),
+            per_micro=window and not module.adapter.weigh_rows,  # Lightning's per-batch self.log
+            grads_fn=module.adapter.hooks.grads_fn(module),
         )
 
     def compile_train_step(self, module: Any, micro: int, state: Any, jbatch: Any) -> None:
@@ -117,6 +117,25 @@ class StepPart(_Shared):
             nan_policy=self.nan_policy,
         )
 
+    def _buffer_batch(self, batch: Any) -> dict[str, jax.Array] | None:
+        """Keeps the batch; runs the window (its last step's metrics) when one is due."""
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
+        every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+        if self.windows.take(batch, self.trainer.global_step, every):
+            return self._run_window()
+        return None
+
+    def _run_window(self) -> dict[str, jax.Array]:
+        """Runs the buffered batches: K in one call, or one per call for a short window."""
+
+        self._state, metrics = self.windows.run(
+            self._state, self.placement, self._window_step, self._one_step
+        )
+        self._last_metrics = metrics
+        return metrics
+
     def _window_batch(self, batch: Any) -> tuple[Any, Any, int, int] | None:
         """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
         m = self.flags.accumulate
@@ -139,7 +158,7 @@ class StepPart(_Shared):
     def _windowable(self) -> bool:
         """Whether this run can buffer batches (else K=1, nothing measured)."""
         return (
-            self.supports_windows
+            self.adapter.supports_windows
             and self.flags.accumulate == 1
             and self.accum_steps == 1
             and jax.process_count() == 1
@@ -161,10 +180,6 @@ class StepPart(_Shared):
         with self.adapter.checked(one):
             return self._train_step(state, jbatch)  # type: ignore[no-any-return]
 
-    def _grads_fn(self) -> Any:
-        """What runs on the step's gradients before the optimizer (``make_train_step``)."""
-        return None
-
     def _step_forward(self, batch: Any, i: int) -> tuple[Any, jax.Array]:
         """The next train step's forward pass on ``batch`` (its micro-batch ``i``) alone."""
         if self._train_forward is None:
@@ -173,7 +188,7 @@ class StepPart(_Shared):
                 self.loss_fn,
                 micro=self.flags.accumulate > 1,
                 compute_dtype=self._compute_dtype,
-                weigh_rows=self._weigh_rows,
+                weigh_rows=self.adapter.weigh_rows,
             )
         state = self.init_state(batch)
         return self._train_forward(state, self.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
@@ -206,6 +221,7 @@ class TrainLogPart(_Shared):
         self._align_logger_step()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.adapter.hooks.train_batch_end(self)  # (the port: LearningRateMonitor's lr)
         self.train_log.batch_ended()
 
     def _align_logger_step(self) -> None:
@@ -223,8 +239,11 @@ class TrainLogPart(_Shared):
     def _outputs_wanted(self) -> bool:
         """A user callback overrides ``on_train_batch_end``: it may read ``outputs["loss"]``.
 
-        (Lightning's and coreshell's own callbacks never read the outputs.)
+        (Lightning's and coreshell's own callbacks never read the outputs.) The model's own
+        hooks may too (``adapter.hooks.wants_outputs``: the port's ``on_train_batch_end``).
         """
+        if self.adapter.hooks.wants_outputs(self):
+            return True
         if self._trainer is None:
             return False
         callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
@@ -242,23 +261,6 @@ class TrainLogPart(_Shared):
         if metrics is None or not self._outputs_wanted():
             return None
         return {"loss": torch.tensor(float(np.ravel(jax.device_get(metrics["loss"]))[-1]))}
-
-    def _outputs_ahead(self, batch: Any, i: int, raw: Any) -> dict[str, Any] | None:
-        """``on_train_batch_end``'s outputs computed before the step; ``None``: the step's.
-
-        ``batch`` is the prepared batch, ``raw`` the one the DataLoader made.
-
-        Under ``accumulate_grad_batches=m`` a batch's step runs when its window completes,
-        but Lightning gives each batch its own ``outputs["loss"]`` (its loss / m) at once:
-        when a callback reads them, the batch's forward pass runs alone first (micro-batch
-        ``i`` of the window: the window's params and random key, so the value is the one the
-        window's step computes).
-        """
-        m = self.flags.accumulate
-        if m == 1 or not self._outputs_wanted():
-            return None
-        _, loss = self._step_forward(batch, i)
-        return {"loss": torch.tensor(float(loss)) / m}
 
     def _log_to_loggers(self, metrics: dict[str, float]) -> None:
         """coreshell's own figures (compile statistics) to the loggers, named under

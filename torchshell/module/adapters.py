@@ -52,6 +52,7 @@ from torchshell.module._batches import (
 )
 from torchshell.module._evaluation import EvalHooks
 from torchshell.module._flax_checks import check_batch
+from torchshell.module._hooks import ModuleHooks
 from torchshell.module._parts import OptaxOptimizer
 from torchshell.module._train_log import TrainLogs
 from torchshell.module._train_parts import TrainSteps
@@ -232,6 +233,21 @@ class Adapter:
       outputs; ``None`` for the Flax/torch evaluation, whose means are logged at the
       epoch's end).
 
+    ``hooks`` (:class:`~torchshell.module._hooks.ModuleHooks`: the module's own hooks alone;
+    the port's runs the user's ``LightningModule`` hooks beside them):
+
+    - ``attach(module)``: at the end of ``JaxModule.__init__``; ``None``.
+    - ``trainer_attached(module, trainer)``: when Lightning attaches the module; ``None``.
+    - ``setup`` / ``teardown(module, stage)``: after / before the module's own; ``None``.
+    - ``forward(module, *args, **kwargs)``: ``module(...)`` on the host; its outputs.
+    - ``attribute(module, name)`` / ``set_attribute(module, name, value)``: attributes the
+      module does not hold itself (the user's, ``batch_size``).
+    - ``wants_outputs(module)``: whether the model reads ``on_train_batch_end``'s outputs.
+    - ``outputs_ahead(module, batch, i, raw)``: before each step; ``on_train_batch_end``'s
+      outputs computed ahead of the step, or ``None``.
+    - ``train_batch_end(module)``: at the start of ``on_train_batch_end``; ``None``.
+    - ``grads_fn(module)``: when a step is built; the step's gradient hook, or ``None``.
+
     Args:
         model_fns: the model's ``init``/``apply``.
         placement: where batches go.
@@ -239,6 +255,8 @@ class Adapter:
     """
 
     torch_module: torch.nn.Module | None = None
+    weigh_rows = True  # a micro-batch weighs its valid rows (exact masked means)
+    supports_windows = True  # K batches per call (the port: False, the user's self.log per step)
 
     def __init__(
         self, model_fns: jaxcore.ModelFns, placement: Placement, batch_keys: Sequence[str]
@@ -252,6 +270,7 @@ class Adapter:
         self.logs = TrainLogs()
         self.evaluation = EvalHooks()
         self.steps = TrainSteps()
+        self.hooks = ModuleHooks()
 
     # -- per batch ------------------------------------------------------------------------
     def prepare(self, batch: Any) -> Any:

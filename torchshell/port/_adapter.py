@@ -28,6 +28,7 @@ from torchshell.module._batches import MicroBatches, containers_as_nodes, host_f
 from torchshell.module._flax_checks import check_lengths_and_masks
 from torchshell.module.adapters import Placement, TorchAdapter
 from torchshell.port._ckpt_part import LightningCheckpoint
+from torchshell.port._hooks import LightningHooks
 from torchshell.port._manual_parts import LightningSteps
 from torchshell.port._optim_part import LightningOptimizer
 from torchshell.port._rows import common_rows
@@ -48,7 +49,8 @@ class LightningAdapter(TorchAdapter):
     user's ``validation_step``/``test_step``/``predict_step`` traced, their ``self.log``
     values through Lightning's (:class:`~torchshell.port._user.LightningEvaluation`);
     ``steps`` supplies the user's manual optimization's step and its ``opt.step()`` counts
-    (:class:`~torchshell.port._manual_parts.LightningSteps`).
+    (:class:`~torchshell.port._manual_parts.LightningSteps`); ``hooks`` runs the user's own
+    hooks beside the module's and forwards its attributes (:class:`LightningHooks`).
 
     Args:
         model_fns: the port's ``init``/``apply`` (:meth:`LightningPort.model_fns`).
@@ -56,9 +58,15 @@ class LightningAdapter(TorchAdapter):
         port: the traced user module.
     """
 
+    # Lightning weighs each accumulated batch's loss equally (loss / accumulate_grad_batches),
+    # whatever its rows or mask: the user's structure has no row count of coreshell's
+    weigh_rows = False
+    supports_windows = False  # the user's self.log and epoch aggregation run per step
+
     def __init__(self, model_fns: jaxcore.ModelFns, placement: Placement, port: LightningPort):
         super().__init__(model_fns, placement, (), port.module)
         self.port = port
+        self.hooks: LightningHooks = LightningHooks(port)  # (refuses torch optimizer hooks)
         self.optim: LightningOptimizer = LightningOptimizer(port)
         self.checkpoint: LightningCheckpoint = LightningCheckpoint(port, self.optim)
         self.logs: LightningLogs = LightningLogs(port)
