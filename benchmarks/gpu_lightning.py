@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from benchmarks import _gpu_modules as gm  # noqa: E402
 from benchmarks import _stats  # noqa: E402
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v5 lite": 197e12}
 WAYS = {
     "eager": "(l) plain Lightning, eager",
     "compile": "(c) plain Lightning, torch.compile(module)",
@@ -159,7 +159,7 @@ def _failure(exc: BaseException) -> str:
 def _device() -> tuple[str, float | None]:
     kind = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     jax_kind = jax.devices()[0].device_kind
-    peak = next((v for k, v in PEAK_BF16.items() if k in kind), None)
+    peak = next((v for k, v in PEAK_BF16.items() if k in kind or k in jax_kind), None)
     return f"torch: {kind}, JAX: {jax_kind}", peak
 
 
