@@ -15,9 +15,9 @@ from jaxcore.models.digits import MLP
 from tests.helpers import quiet_trainer
 from tests.torchshell.lit_digits import LitDigits
 from torchshell import JaxModule
+from torchshell.adapters._eval import EvalHooks
+from torchshell.adapters._logs import TrainLogs
 from torchshell.data.digits import DigitsDataModule
-from torchshell.module._evaluation import EvalHooks
-from torchshell.module._train_log import TrainLogs
 
 
 def _loader() -> DataLoader:

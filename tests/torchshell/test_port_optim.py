@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.torchshell import port_helpers as H
 from torchshell._errors import ConfigError
-from torchshell.module._clip import torch_clip
+from torchshell.adapters._clip import torch_clip
 from torchshell.optim import map_configure_optimizers, state_from_torch, state_to_torch
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {

@@ -21,7 +21,7 @@ import jaxcore
 from jaxcore.models.digits import MLP
 from tests.torchshell.test_port import Recorder
 from torchshell import JaxModule
-from torchshell.module._arrays import arrays_as_tensors
+from torchshell.adapters._arrays import arrays_as_tensors
 
 _g = torch.Generator().manual_seed(0)
 X = torch.randn(37, 20, generator=_g)  # 37 rows: batches of 8, a padded last batch of 5

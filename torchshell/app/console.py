@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
-from torchshell.module._train_log import OWN
+from torchshell.adapters._logs import OWN
 
 if TYPE_CHECKING:
     import lightning as L

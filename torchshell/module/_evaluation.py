@@ -21,14 +21,13 @@ import jax.numpy as jnp
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-import bridge
 import jaxcore
 from jaxcore.guard import first_failed, raise_failed
+from torchshell.adapters._batches import rows
 from torchshell.data._sampler import real_rows, shard_sampler
-from torchshell.module._batches import rows
 from torchshell.module._parts import _Shared
 
-__all__ = ["EvalHooks", "Evaluation", "EvaluationPart"]
+__all__ = ["Evaluation", "EvaluationPart"]
 
 
 class Evaluation:
@@ -114,66 +113,6 @@ def eval_loader(trainer: Any, dataloader_idx: int | None) -> Any:
     loaders = combined.flattened
     idx = dataloader_idx or 0
     return loaders[idx] if idx < len(loaders) else None
-
-
-class EvalHooks:
-    """What the evaluation hooks run: the Flax and torch adapters' ``evaluation``.
-
-    The model's loss function over each batch, added up on device as exact masked sums of
-    the module's :class:`Evaluation` (logged as means at the epoch's end), and the model's
-    outputs for prediction. Each method receives the :class:`~torchshell.module.JaxModule`
-    whose Lightning hook of the same name calls it, and returns what that hook returns.
-    """
-
-    def validation_step(
-        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
-    ) -> None:
-        """One validation batch's masked sums, added to its loader's epoch; returns nothing."""
-        self._add_sums(module, batch, batch_idx, dataloader_idx)
-
-    def test_step(
-        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
-    ) -> None:
-        """One test batch's masked sums, added to its loader's epoch; returns nothing."""
-        self._add_sums(module, batch, batch_idx, dataloader_idx)
-
-    def predict_step(
-        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
-    ) -> Any:
-        """The model's outputs for the batch's real rows, as torch tensors."""
-        batch = module.adapter.prepare(batch)
-        state = module.init_state(batch)
-        ev = module.evaluation
-        if ev.predict_step is None:
-            ev.predict_step = jaxcore.make_predict_step(
-                module.model_fns, compute_dtype=module._compute_dtype, input_checks=True
-            )
-        n = rows(batch)
-        outputs, check = ev.predict_step(state, module.adapter.to_jax(batch, train=False))
-        raise_failed(check, "in a predict batch")  # (the outputs come to the host anyway)
-        return bridge.to_torch(outputs)[:n]
-
-    def _add_sums(
-        self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
-    ) -> None:
-        ev, adapter = module.evaluation, module.adapter
-        batch = adapter.prepare(batch)
-        batch = ev.unrepeated(
-            batch, batch_idx, dataloader_idx, lambda: module._eval_loader(dataloader_idx)
-        )
-        state = module.init_state(batch)
-        if ev.step is None:
-            ev.step = jaxcore.make_eval_step(
-                module.model_fns,
-                module.loss_fn,
-                state_sharding=jaxcore.state_shardings(state),
-                batch_sharding=None,  # the arrays' own (placed leaf by leaf by the bridge)
-                compute_dtype=module._compute_dtype,
-                input_checks=True,
-            )
-        with adapter.checked(batch):
-            sums, check = ev.step(state, adapter.to_jax(batch, train=False))
-        ev.add(sums, check, dataloader_idx)
 
 
 class EvaluationPart(_Shared):

@@ -20,28 +20,20 @@ from jax.sharding import Mesh
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell._errors import ConfigError
+from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
+from torchshell.adapters._base import input_names, model_functions, step_loss
+from torchshell.adapters._batches import float_fields, positional_keys
+from torchshell.adapters._logs import TrainLog
 from torchshell.checkpoint import _state_io, restore_state
-from torchshell.checkpoint._part import CheckpointPart
 from torchshell.module._accumulation import Accumulation
-from torchshell.module._batches import float_fields, positional_keys
+from torchshell.module._checkpoint import CheckpointPart
 from torchshell.module._evaluation import Evaluation, EvaluationPart
 from torchshell.module._flags import TrainerFlags
 from torchshell.module._parts import TrainerFlagsPart
-from torchshell.module._train_log import TrainLog
 from torchshell.module._train_parts import StepPart, TrainLogPart
 from torchshell.module._windows import Windows, resolve_steps_per_call
-from torchshell.module.adapters import (
-    Adapter,
-    FlaxAdapter,
-    Placement,
-    TorchAdapter,
-    input_names,
-    model_functions,
-    step_loss,
-)
 from torchshell.optim import map_configure_optimizers
-from torchshell.port._adapter import LightningAdapter
-from torchshell.port._trace import LightningPort
+from torchshell.port import LightningAdapter, LightningPort
 from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]

@@ -4,12 +4,12 @@
   (see :mod:`torchshell.module._flags`), and the optimizer they shape;
 - :class:`~torchshell.module._evaluation.EvaluationPart` (its own module): exact masked
   validation/test means, and prediction;
-- :class:`~torchshell.checkpoint._part.CheckpointPart` (its own module): what a checkpoint
+- :class:`~torchshell.module._checkpoint.CheckpointPart` (its own module): what a checkpoint
   holds of the JAX state, and restoring it.
 
-How batches are handed to JAX is the module's adapter's (:mod:`torchshell.module.adapters`), and
-so is the optimizer: :class:`OptaxOptimizer` is the Flax and torch adapters' group
-(``adapter.optim``), which the hooks here call. The parts share the attributes
+How batches are handed to JAX is the module's adapter's (:mod:`torchshell.adapters`), and so
+is the optimizer: :class:`~torchshell.adapters.OptaxOptimizer` is the Flax and torch
+adapters' group (``adapter.optim``), which the hooks here call. The parts share the attributes
 :class:`~torchshell.module.JaxModule` sets in ``__init__``.
 """
 
@@ -29,7 +29,6 @@ import torch
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.module._clip import torch_clip
 from torchshell.module._flags import TrainerFlags, adopt_flags, restore_flags
 
 Batch = Any
@@ -38,7 +37,7 @@ Batch = Any
 # step; the JAX state of step N is exactly what a JaxModule checkpoint at step N should hold.
 _AFTER_STEP_WARNING = "Using ModelCheckpoint with manual optimization and every_n_train_steps"
 
-__all__ = ["OptaxOptimizer", "TrainerFlagsPart"]
+__all__ = ["TrainerFlagsPart"]
 
 
 class _Shared(L.LightningModule):
@@ -58,8 +57,8 @@ class _Shared(L.LightningModule):
     hlo_dump_dir: Any
     print_summary: bool
     shard_fn: Any
-    placement: Any  # torchshell.module.adapters.Placement
-    adapter: Any  # torchshell.module.adapters.Adapter
+    placement: Any  # torchshell.adapters._base.Placement
+    adapter: Any  # torchshell.adapters._base.Adapter
     state: Any
     _state: Any
     windows: Any  # torchshell.module._windows.Windows
@@ -220,41 +219,3 @@ class TrainerFlagsPart(_Shared):
     def optimizer(self) -> optax.GradientTransformation:
         """The optax transform the step applies (the adapter's optimizer group's)."""
         return self.adapter.optim.optimizer(self)  # type: ignore[no-any-return]
-
-
-class OptaxOptimizer:
-    """The adapter's optimizer group (``adapter.optim``): the Flax and torch adapters' one.
-
-    The protocol the module's hooks call, each method given the
-    :class:`~torchshell.module.JaxModule`; ``LightningAdapter``'s maps the user's
-    ``configure_optimizers`` instead (:mod:`torchshell.port._optim_part`).
-
-    Example:
-        >>> OptaxOptimizer().configure_optimizers(None)
-        []
-    """
-
-    def configure_optimizers(self, module: Any) -> Any:
-        """``JaxModule.configure_optimizers``: no torch optimizer, the optax one runs inside
-        the JAX step."""
-        return []  # (an empty list, unlike None, is a valid "no optimizer" for Lightning)
-
-    def optimizer(self, module: Any) -> optax.GradientTransformation:
-        """The optax transform the step applies: the Trainer's clipping, then ``module.tx``
-        (called when the state and the train step are built)."""
-        if module.tx is None:
-            raise ConfigError(
-                "JaxModule needs an optax optimizer. Fix: pass optimizer=... (e.g. "
-                "jaxcore.make_optimizer(lr=1e-3))."
-            )
-        flags = module.flags
-        if flags.clip_val is None:
-            return module.tx  # type: ignore[no-any-return]
-        return optax.chain(torch_clip(flags.clip_val, flags.clip_algorithm), module.tx)
-
-    def on_fit_start(self, module: Any) -> None:
-        """At every ``fit``, after a new fit of a trained module restarted the optimizer
-        state (nothing more here)."""
-
-    def on_train_start(self, module: Any) -> None:
-        """Once per ``fit``, before the first batch, the run's loaders known (nothing here)."""

@@ -41,7 +41,7 @@ import torch
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.module._batches import HostOnly, rows
+from torchshell.adapters._batches import HostOnly, rows
 
 __all__ = ["Windows", "choose_k", "resolve_steps_per_call"]
 

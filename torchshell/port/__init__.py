@@ -8,7 +8,7 @@ module's (:class:`~torchshell.port._hooks.LightningHooks`), and clips gradients 
 Lightning (:func:`torch_clip`).
 """
 
-from torchshell.module._clip import torch_clip
+from torchshell.adapters._clip import torch_clip
 from torchshell.optim import MappedOptimizer, map_configure_optimizers
 from torchshell.port._adapter import LightningAdapter
 from torchshell.port._logs import LogSpec

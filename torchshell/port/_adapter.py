@@ -1,6 +1,6 @@
 """The ``LightningModule`` adapter: batches in the user's own structure, nothing padded.
 
-What differs from the Flax and torch paths' hand-over (:class:`torchshell.module.adapters.Adapter`):
+What differs from the Flax and torch paths' hand-over (:class:`torchshell.adapters._base.Adapter`):
 
 - batches reach ``training_step`` with the structure the DataLoader gave (tuples, dicts,
   nested); nothing is padded (a ragged batch compiles once more, counted): the user's loss
@@ -24,9 +24,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.module._batches import MicroBatches, containers_as_nodes, host_fields_out
-from torchshell.module._flax_checks import check_lengths_and_masks
-from torchshell.module.adapters import Placement, TorchAdapter
+from torchshell.adapters._base import TorchAdapter
+from torchshell.adapters._batches import MicroBatches, containers_as_nodes, host_fields_out
+from torchshell.adapters._flax_checks import check_lengths_and_masks
+from torchshell.adapters._placement import Placement
 from torchshell.port._ckpt_part import LightningCheckpoint
 from torchshell.port._hooks import LightningHooks
 from torchshell.port._manual_parts import LightningSteps
@@ -41,7 +42,7 @@ __all__ = ["LightningAdapter", "common_rows"]
 class LightningAdapter(TorchAdapter):
     """A whole ``LightningModule`` as the JAX core (``JaxModule.from_lightning``).
 
-    Its method groups (the protocol: :class:`~torchshell.module.adapters.Adapter`): ``optim``
+    Its method groups (the protocol: :class:`~torchshell.adapters._base.Adapter`): ``optim``
     maps the user's ``configure_optimizers`` (:class:`LightningOptimizer`), ``checkpoint``
     writes and reads the user's own layout (:class:`LightningCheckpoint`).
     ``logs`` names the training values as the user's ``self.log`` calls do and adds up their

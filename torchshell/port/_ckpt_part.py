@@ -4,7 +4,7 @@ the user's host code's in-place weight changes kept.
 
 The group owns what a restore holds until the state exists; its methods receive the
 :class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
-:class:`~torchshell.checkpoint._part.CheckpointLayout`). Manual optimization's optimizer
+:class:`~torchshell.adapters.CheckpointLayout`). Manual optimization's optimizer
 states are the step group's (``adapter.steps``:
 :class:`~torchshell.port._manual_parts.LightningSteps`).
 """
@@ -20,8 +20,8 @@ import torch
 
 import bridge
 from torchshell._errors import ConfigError
+from torchshell.adapters._checkpoint import CheckpointLayout
 from torchshell.checkpoint import _state_io
-from torchshell.checkpoint._part import CheckpointLayout
 from torchshell.optim import state_from_torch, state_to_torch
 from torchshell.port._optim_part import LightningOptimizer
 from torchshell.port._weights import changed_tensors, tensor_versions

@@ -27,8 +27,8 @@ import lightning as L
 import torch
 
 from torchshell._errors import ConfigError
-from torchshell.module._batches import host_fields_back
-from torchshell.module._hooks import ModuleHooks
+from torchshell.adapters._batches import host_fields_back
+from torchshell.adapters._hooks import ModuleHooks
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._prepare import check_trainable, layers_changed
 from torchshell.port._trace import LightningPort

@@ -36,7 +36,7 @@ import torch
 import jaxcore
 from jaxcore.guard import checked, checking
 from torchshell._errors import ConfigError
-from torchshell.module._clip import torch_clip
+from torchshell.adapters._clip import torch_clip
 from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._host_reads import watching_trainer
 from torchshell.port._manual_optim import ManualOptState, ManualPlan

@@ -6,7 +6,7 @@ under automatic optimization, the default step kept with the Trainer values its 
 
 The group owns the manual state between hooks; its methods receive the
 :class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
-:class:`~torchshell.module._train_parts.TrainSteps`).
+:class:`~torchshell.adapters.TrainSteps`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import jax
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.module._batches import MicroBatches
-from torchshell.module._train_parts import TrainSteps
+from torchshell.adapters._batches import MicroBatches
+from torchshell.adapters._steps import TrainSteps
 from torchshell.port._host_reads import reads_hold, reusable, watching_trainer
 from torchshell.port._logs import STEP_KEY
 from torchshell.port._manual import manual_step

@@ -4,7 +4,7 @@ step with the torch optimizers, ``ReduceLROnPlateau`` stepped on the monitored v
 
 The group owns what the mapping needs between hooks; its methods receive the
 :class:`~torchshell.module.JaxModule` whose hooks call them (the protocol:
-:class:`~torchshell.module._parts.OptaxOptimizer`). Manual optimization's plan stays the
+:class:`~torchshell.adapters.OptaxOptimizer`). Manual optimization's plan stays the
 step group's (``adapter.steps``: :class:`~torchshell.port._manual_parts.LightningSteps`).
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from torchshell._errors import ConfigError
-from torchshell.module._parts import OptaxOptimizer
+from torchshell.adapters._optim import OptaxOptimizer
 from torchshell.optim import MappedOptimizer, map_configure_optimizers
 from torchshell.optim._rules import TorchOptState
 from torchshell.optim._sched import parse_configure_optimizers
@@ -178,7 +178,7 @@ class LightningOptimizer(OptaxOptimizer):
         flags = module.flags
         if flags.clip_val is None:
             return base
-        from torchshell.module._clip import torch_clip
+        from torchshell.adapters._clip import torch_clip
 
         only = None if self.mapped is None else self.mapped.param_names
         return optax.chain(torch_clip(flags.clip_val, flags.clip_algorithm, only=only), base)

@@ -8,8 +8,8 @@
   ``self.log`` per batch.
 
 Each owns its state (the epoch sums; the compiled eval steps) and implements the protocol of
-the Flax/torch defaults (:class:`~torchshell.module._train_log.TrainLogs`,
-:class:`~torchshell.module._evaluation.EvalHooks`): ``JaxModule``'s hooks call them with the
+the Flax/torch defaults (:class:`~torchshell.adapters._logs.TrainLogs`,
+:class:`~torchshell.adapters.EvalHooks`): ``JaxModule``'s hooks call them with the
 module, whose ``log`` and ``trainer`` they use.
 """
 
@@ -29,9 +29,9 @@ from jaxcore import MICRO, TOTAL
 from jaxcore.guard import NO_CHECK, raise_failed
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._errors import ConfigError
-from torchshell.module._batches import host_fields_back, host_fields_out
-from torchshell.module._evaluation import EvalHooks
-from torchshell.module._train_log import OWN, TrainLogs
+from torchshell.adapters._batches import host_fields_back, host_fields_out
+from torchshell.adapters._eval import EvalHooks
+from torchshell.adapters._logs import OWN, TrainLogs
 from torchshell.port._logs import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,

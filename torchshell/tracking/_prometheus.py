@@ -22,8 +22,8 @@ from lightning.pytorch import Callback
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from torchshell._errors import TrackingError
+from torchshell.adapters._logs import OWN
 from torchshell.checkpoint import _files as files
-from torchshell.module._train_log import OWN
 
 # gauge name -> (help text, the keys in trainer.callback_metrics it follows, first found wins:
 # the Flax/torch path's model loss is train/loss, the Lightning port's coreshell/train/loss)

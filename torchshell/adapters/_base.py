@@ -1,4 +1,4 @@
-"""How a model comes into :class:`~torchshell.module.JaxModule`: one adapter per way in.
+"""The adapter protocol and the Flax and torch adapters: one adapter per way a model comes in.
 
 :class:`JaxModule` owns the loop contract (Lightning's hooks, the compiled step, logging,
 checkpoints); what depends on *how the model came in* is its adapter's, in the spirit of
@@ -34,28 +34,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import torch
-from jax.sharding import Mesh
 
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.checkpoint._part import CheckpointLayout
-from torchshell.module._arrays import arrays_as_tensors
-from torchshell.module._batches import (
+from torchshell.adapters._arrays import arrays_as_tensors
+from torchshell.adapters._batches import (
     check_fields,
     host_fields_out,
     name_batch,
     rows,
     signature,
 )
-from torchshell.module._evaluation import EvalHooks
-from torchshell.module._flax_checks import check_batch
-from torchshell.module._hooks import ModuleHooks
-from torchshell.module._parts import OptaxOptimizer
-from torchshell.module._train_log import TrainLogs
-from torchshell.module._train_parts import TrainSteps
+from torchshell.adapters._checkpoint import CheckpointLayout
+from torchshell.adapters._eval import EvalHooks
+from torchshell.adapters._flax_checks import check_batch
+from torchshell.adapters._hooks import ModuleHooks
+from torchshell.adapters._logs import TrainLogs
+from torchshell.adapters._optim import OptaxOptimizer
+from torchshell.adapters._placement import Placement
+from torchshell.adapters._steps import TrainSteps
 from torchshell.trace._loss import (
     is_torch_loss,
     torch_function_loss,
@@ -64,7 +63,7 @@ from torchshell.trace._loss import (
 )
 from torchshell.trace._static import specialise_batch
 
-__all__ = ["Adapter", "FlaxAdapter", "Placement", "TorchAdapter"]
+__all__ = ["Adapter", "FlaxAdapter", "TorchAdapter"]
 
 
 def input_names(inputs: Sequence[str | int], batch_keys: Sequence[str]) -> list[str]:
@@ -112,57 +111,6 @@ def step_loss(
     return jaxcore.per_example(loss_fn) if per_row else loss_fn
 
 
-class Placement:
-    """Where one step's batch goes: the mesh's data axis, its shardings, the transfer counts.
-
-    Args:
-        mesh: the device mesh.
-        data_axis: the mesh axis the batch is split over.
-        steps_per_call: K of a ``[K, B, ...]`` batch viewed as K steps.
-
-    Example:
-        >>> import jaxcore
-        >>> p = Placement(jaxcore.make_mesh({"data": -1}), "data", 1)
-        >>> n = 2 * p.ways  # (rows a full batch has on this mesh)
-        >>> p.global_rows(n - 1) == n, p.full_mask(n).shape == (n,)
-        (True, True)
-    """
-
-    def __init__(self, mesh: Mesh, data_axis: str, steps_per_call: int) -> None:
-        self.mesh = mesh
-        self.data_axis = data_axis
-        self.batch = jaxcore.batch_sharding(mesh, data_axis=data_axis)
-        self.stacked = jaxcore.batch_sharding(
-            mesh, data_axis=data_axis, steps_per_call=steps_per_call
-        )
-        self.window = jaxcore.batch_sharding(mesh, data_axis=data_axis, steps_per_call=2)
-        self.stats = bridge.new_stats()
-        self._masks: dict[Any, jax.Array] = {}
-
-    @property
-    def ways(self) -> int:
-        """Devices along the data axis."""
-        return int(self.mesh.shape[self.data_axis])
-
-    def global_rows(self, n: int) -> int:
-        """``n`` rounded up to the data axis: the rows of the padded batch."""
-        return -(-n // self.ways) * self.ways
-
-    def full_mask(self, n: int) -> jax.Array:
-        """An all-true ``mask`` of ``n`` rows, made on device once (not handed over per step)."""
-        mask = self._masks.get(n)
-        if mask is None:
-            mask = self._masks[n] = jax.device_put(np.ones(n, bool), self.batch)
-        return mask
-
-    def window_mask(self, k: int, n: int) -> jax.Array:
-        """An all-true ``[k, n]`` mask for K full batches in one call."""
-        mask = self._masks.get((k, n))
-        if mask is None:
-            mask = self._masks[k, n] = jax.device_put(np.ones((k, n), bool), self.window)
-        return mask
-
-
 class Adapter:
     """The protocol: what differs between the ways a model comes in (module docstring).
 
@@ -171,7 +119,7 @@ class Adapter:
     Fabric's ``Strategy`` owns its ``precision`` and ``checkpoint_io``) are called by the
     module's own hooks, each method given the ``JaxModule``:
 
-    ``optim`` (:class:`~torchshell.module._parts.OptaxOptimizer`: ``module.tx`` after the
+    ``optim`` (:class:`~torchshell.adapters.OptaxOptimizer`: ``module.tx`` after the
     Trainer's clipping; the port's maps ``configure_optimizers``):
 
     - ``configure_optimizers(module)``: Lightning's ``configure_optimizers``; what Lightning
@@ -180,7 +128,7 @@ class Adapter:
     - ``on_fit_start(module)``, ``on_train_start(module)``: after the module's own part of
       those hooks; ``None``.
 
-    ``checkpoint`` (:class:`~torchshell.checkpoint._part.CheckpointLayout`: the JAX state
+    ``checkpoint`` (:class:`~torchshell.adapters.CheckpointLayout`: the JAX state
     alone, which the module writes itself; the port's adds the user's own layout):
 
     - ``save(module, checkpoint)`` / ``load(module, checkpoint)``: in ``on_save_checkpoint``/
@@ -192,7 +140,7 @@ class Adapter:
     - ``synced(module)``: after the trained weights went into ``torch_module``; ``None``.
     - ``before_step(module)``: at the start of each ``training_step``; ``None``.
 
-    ``logs`` (:class:`~torchshell.module._train_log.TrainLogs`: the loss function's metrics
+    ``logs`` (:class:`~torchshell.adapters._logs.TrainLogs`: the loss function's metrics
     as ``train/<name>``; the port's are the user's ``self.log`` names and options):
 
     - ``own_train``: the prefix of the step's own loss, learning rate and refused steps.
@@ -211,7 +159,7 @@ class Adapter:
     - ``last_step_values(module)``: in ``on_train_end``; ``None`` (``callback_metrics`` end
       with the last step's values).
 
-    ``steps`` (:class:`~torchshell.module._train_parts.TrainSteps`: ``jaxcore.make_train_step``
+    ``steps`` (:class:`~torchshell.adapters.TrainSteps`: ``jaxcore.make_train_step``
     of the model and loss; the port's is the user's manual optimization, when it has it):
 
     - ``make_train_step(module, micro, state, grad_scale, ragged)``: when a step is built; the
@@ -225,7 +173,7 @@ class Adapter:
       calls); ``logging_step(module, before)``: after each step; whether it is a logging
       step.
 
-    ``evaluation`` (:class:`~torchshell.module._evaluation.EvalHooks`: the loss function as
+    ``evaluation`` (:class:`~torchshell.adapters.EvalHooks`: the loss function as
     exact masked means; the port's runs the user's own hooks, traced):
 
     - ``validation_step`` / ``test_step`` / ``predict_step(module, batch, batch_idx,
@@ -233,7 +181,7 @@ class Adapter:
       outputs; ``None`` for the Flax/torch evaluation, whose means are logged at the
       epoch's end).
 
-    ``hooks`` (:class:`~torchshell.module._hooks.ModuleHooks`: the module's own hooks alone;
+    ``hooks`` (:class:`~torchshell.adapters._hooks.ModuleHooks`: the module's own hooks alone;
     the port's runs the user's ``LightningModule`` hooks beside them):
 
     - ``attach(module)``: at the end of ``JaxModule.__init__``; ``None``.

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import bridge
-from torchshell.module._batches import _all_tensors, _host_leaf, containers_as_nodes
+from torchshell.adapters._batches import _all_tensors, _host_leaf, containers_as_nodes
 
 __all__ = ["arrays_as_tensors"]
 

@@ -1,0 +1,50 @@
+"""The Flax and torch adapters' ``optim`` group: the Trainer's clipping, then ``module.tx``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from torchshell._errors import ConfigError
+from torchshell.adapters._clip import torch_clip
+
+__all__ = ["OptaxOptimizer"]
+
+
+class OptaxOptimizer:
+    """The adapter's optimizer group (``adapter.optim``): the Flax and torch adapters' one.
+
+    The protocol the module's hooks call, each method given the
+    :class:`~torchshell.module.JaxModule`; ``LightningAdapter``'s maps the user's
+    ``configure_optimizers`` instead (:mod:`torchshell.port._optim_part`).
+
+    Example:
+        >>> OptaxOptimizer().configure_optimizers(None)
+        []
+    """
+
+    def configure_optimizers(self, module: Any) -> Any:
+        """``JaxModule.configure_optimizers``: no torch optimizer, the optax one runs inside
+        the JAX step."""
+        return []  # (an empty list, unlike None, is a valid "no optimizer" for Lightning)
+
+    def optimizer(self, module: Any) -> optax.GradientTransformation:
+        """The optax transform the step applies: the Trainer's clipping, then ``module.tx``
+        (called when the state and the train step are built)."""
+        if module.tx is None:
+            raise ConfigError(
+                "JaxModule needs an optax optimizer. Fix: pass optimizer=... (e.g. "
+                "jaxcore.make_optimizer(lr=1e-3))."
+            )
+        flags = module.flags
+        if flags.clip_val is None:
+            return module.tx  # type: ignore[no-any-return]
+        return optax.chain(torch_clip(flags.clip_val, flags.clip_algorithm), module.tx)
+
+    def on_fit_start(self, module: Any) -> None:
+        """At every ``fit``, after a new fit of a trained module restarted the optimizer
+        state (nothing more here)."""
+
+    def on_train_start(self, module: Any) -> None:
+        """Once per ``fit``, before the first batch, the run's loaders known (nothing here)."""
