@@ -111,15 +111,15 @@ class _BlockingStep:
 
 def split_round(module: JaxModule, dm: Any, warmup: int, steps: int) -> dict[str, float]:
     """One instrumented round: microseconds per optimizer step in each part of the loop."""
-    if module._train_step is None:
+    if module.compiled.train is None:
         raise RuntimeError("run a plain round first (the step is compiled there)")
     timers = _Timers()
     adapter = module.adapter  # (its hand-over methods, timed on the instance)
     hand_over = ["to_jax", "stack"]
     for name in hand_over:
         setattr(adapter, name, timers.timed("bridge", getattr(adapter, name)))
-    original = module._train_step
-    module._train_step = _BlockingStep(original, timers)  # type: ignore[assignment]
+    original = module.compiled.train
+    module.compiled.train = _BlockingStep(original, timers)  # type: ignore[assignment]
     dm.setup("fit")
     clock = LightningClock(warmup, sync=lambda: jax.block_until_ready(module.state))
     clock.on_start = timers.start
@@ -128,7 +128,7 @@ def split_round(module: JaxModule, dm: Any, warmup: int, steps: int) -> dict[str
             module, train_dataloaders=_TimedLoader(dm.train_dataloader(), timers)
         )
     finally:
-        module._train_step = original
+        module.compiled.train = original
         for name in hand_over:
             delattr(adapter, name)
     seconds, done = clock.result()

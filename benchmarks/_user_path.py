@@ -226,7 +226,7 @@ def shell_staged_seconds(module: JaxModule, run: Path, steps: int = 200) -> floa
     the state carried from call to call, with no loader, no Lightning and no hand-over.
     """
     k = module.window_k or 1
-    owner, attr = (module.windows, "step") if k > 1 else (module, "_train_step")
+    owner, attr = (module.windows, "step") if k > 1 else (module.compiled, "train")
     if getattr(owner, attr) is None:  # (not built yet: a fit shorter than one window)
         run(2 * k)
     recording = _Recording(getattr(owner, attr))

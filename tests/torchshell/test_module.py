@@ -45,7 +45,7 @@ def test_steps_per_call_equals_single_steps():
     # 16 steps fit in the first epoch either way, so both see the same batches in order.
     one, four = _fit(1, 16), _fit(4, 16)
     assert int(four.state.step) == 16
-    assert four._train_step.compiles == 1
+    assert four.compiled.train.compiles == 1
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
         one.state.params,

@@ -766,8 +766,8 @@ def test_from_torch_specialises_a_scalar_read_from_the_batch(tmp_path: Path) -> 
     )  # fmt: skip
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(jm, DataLoader(TensorDataset(x, n, y), batch_size=16))
-    assert trainer.global_step == 2 and jm._train_step is not None
-    assert jm._train_step.recompiles == 1  # one compile per distinct length
+    assert trainer.global_step == 2 and jm.compiled.train is not None
+    assert jm.compiled.train.recompiles == 1  # one compile per distinct length
 
 
 class ReadsWeights(SmallClassifier):

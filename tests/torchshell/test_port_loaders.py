@@ -345,7 +345,7 @@ def test_a_callback_gets_each_batchs_outputs_as_plain_lightning(
     if accumulate == 1:  # extras no callback reads cost nothing (no second forward pass)
         module = JaxModule.from_lightning(ReturnsPreds(), print_summary=False)
         _trainer(tmp_path / "unread", max_steps=2).fit(module, _loader(100, 16))
-        assert module._train_forward is None and module.state is not None
+        assert module.compiled.forward is None and module.state is not None
 
 
 def test_a_user_callback_reads_each_steps_loss_from_outputs(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_global_step_reads_follow_the_trainer(kind: str, tmp_path: Path) -> None
     _same(plain, ported, rows, "train_loss", *names)
     if kind == "log":  # (0, 1, ..., 11: read each step, not frozen at the first)
         assert [v for _, v in _logged(rows[1], "gstep")] == list(range(12))
-    assert t_ported.lightning_module._train_step.recompiles == 0  # one program for all steps
+    assert t_ported.lightning_module.compiled.train.recompiles == 0  # one program for all steps
 
 
 def test_global_step_counts_optimizer_steps_under_accumulation(tmp_path: Path) -> None:

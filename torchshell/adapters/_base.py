@@ -165,7 +165,7 @@ class Adapter:
     - ``make_train_step(module, micro, state, grad_scale, ragged)``: when a step is built; the
       (uncompiled) ``jaxcore.Step``.
     - ``compile_train_step(module, micro, state, jbatch)``: on the first batch (beside the
-      state's init) or after the step was dropped; ``None`` (``module._train_step`` set).
+      state's init) or after the step was dropped; ``None`` (``module.compiled.train`` set).
     - ``step_for(module, micro, jbatch)``: before each call; the compiled step to call.
     - ``counted(module)``: around each ``training_step``; a context manager (``global_step``
       counts what the port's manual steps call ``opt.step()``).

@@ -43,9 +43,9 @@ class TrainSteps:
     def compile_train_step(self, module: Any, micro: int, state: Any, jbatch: Any) -> None:
         """Builds and AOT-compiles the train step; its statistics are logged after the first
         call is dispatched (their cost analysis is not on the way to the first step)."""
-        module._train_step = step = self.make_train_step(module, micro, state)
-        module.compile_stats = step.compile(state, jbatch, dump_dir=module.hlo_dump_dir)
-        module._stats_due = True
+        module.compiled.train = step = self.make_train_step(module, micro, state)
+        module.compiled.stats = step.compile(state, jbatch, dump_dir=module.hlo_dump_dir)
+        module.compiled.stats_due = True
 
     def step_for(self, module: Any, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step for this call (a short or ragged accumulation window has its
@@ -53,16 +53,16 @@ class TrainSteps:
         m = module.flags.accumulate
         ragged = isinstance(jbatch, MicroBatches)
         if m > 1 and (micro < m or ragged):
-            short = module._short_steps
+            short = module.compiled.short
             if (micro, ragged) not in short:
                 short[micro, ragged] = self.make_train_step(
                     module, micro, module.state, grad_scale=micro / m, ragged=ragged
                 )
             return short[micro, ragged]  # type: ignore[no-any-return]
-        if module._train_step is None:
+        if module.compiled.train is None:
             self.compile_train_step(module, micro, module.state, jbatch)
-        assert module._train_step is not None
-        return module._train_step  # type: ignore[no-any-return]
+        assert module.compiled.train is not None
+        return module.compiled.train  # type: ignore[no-any-return]
 
     def counted(self, module: Any) -> contextlib.AbstractContextManager[None]:
         """The context a ``training_step`` runs in (its optimizer steps counted by it)."""

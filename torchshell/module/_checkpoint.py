@@ -10,6 +10,7 @@ here call; the Flax and torch adapters' adds nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,40 @@ from torchshell._errors import ConfigError
 from torchshell.checkpoint._orbax import restore_state
 from torchshell.module._parts import _Shared
 
-__all__ = ["CheckpointPart"]
+__all__ = ["CheckpointPart", "Held"]
+
+
+@dataclass
+class Held:
+    """What a restore holds for a state not built yet, and the state the torch module holds.
+
+    Attributes:
+        directory: an Orbax directory to restore from when the state is built.
+        tensors: a plain Lightning checkpoint's state tensors, likewise.
+        synced: the state whose weights the user's torch module holds (``from_torch``,
+            ``from_lightning``): synced once per state.
+
+    Example:
+        >>> Held().pending
+        False
+    """
+
+    directory: Path | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+    synced: Any = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a restore waits for the state."""
+        return self.directory is not None or self.tensors is not None
+
+    def apply(self, state: Any) -> Any:
+        """The state just built from the first batch, with what a restore held for it."""
+        if self.directory is not None:
+            state, self.directory = restore_state(self.directory, state), None
+        if self.tensors is not None:
+            state, self.tensors = _state_io.state_from_tensors(self.tensors, state), None
+        return state
 
 
 class CheckpointPart(_Shared):
@@ -54,18 +88,17 @@ class CheckpointPart(_Shared):
         (``net(x)`` or ``torch.save(net.state_dict())`` after ``trainer.fit`` is what a team
         does next; the parameters are updated in place, so references to them stay.)
         """
-        pending = self._restore_dir is not None or self._restore_tensors is not None
-        if self.state is None and pending:  # resumed at the end: no step left to run
+        if self.state is None and self.held.pending:  # resumed at the end: no step left to run
             self._restore_without_steps()
         self._sync_user_weights()
 
     def _sync_user_weights(self) -> None:
         """The trained weights into the user's torch module, in place (once per state)."""
         module = self.torch_module
-        if module is not None and self.state is not None and self._synced is not self.state:
+        if module is not None and self.state is not None and self.held.synced is not self.state:
             with torch.no_grad():
                 module.load_state_dict(self.torch_state_dict(), strict=True)
-            self._synced = self.state
+            self.held.synced = self.state
             self.adapter.checkpoint.synced(self)
 
     def _restore_without_steps(self) -> None:
@@ -87,7 +120,7 @@ class CheckpointPart(_Shared):
         if self.state is not None:
             self.state = restore_state(directory, self.state)
         else:
-            self._restore_dir = directory
+            self.held.directory = directory
 
     def _orbax_io(self) -> bool:
         from torchshell.checkpoint._orbax import OrbaxCheckpointIO
@@ -108,7 +141,7 @@ class CheckpointPart(_Shared):
             if self.state is not None:
                 self.state = _state_io.state_from_tensors(tensors, self.state)
             else:
-                self._restore_tensors = tensors
+                self.held.tensors = tensors
         self.adapter.checkpoint.load(self, checkpoint)
 
     def load_state_dict(

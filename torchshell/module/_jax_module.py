@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,12 +23,13 @@ from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 from torchshell.adapters._base import input_names, model_functions, step_loss
 from torchshell.adapters._batches import float_fields, positional_keys
 from torchshell.adapters._logs import TrainLog
-from torchshell.checkpoint import _state_io, restore_state
 from torchshell.module._accumulation import Accumulation
-from torchshell.module._checkpoint import CheckpointPart
+from torchshell.module._checkpoint import CheckpointPart, Held
+from torchshell.module._compiled import Compiled
 from torchshell.module._evaluation import Evaluation, EvaluationPart
 from torchshell.module._flags import TrainerFlags
 from torchshell.module._parts import TrainerFlagsPart
+from torchshell.module._run_scope import RunScope
 from torchshell.module._train_parts import StepPart, TrainLogPart
 from torchshell.module._windows import Windows, resolve_steps_per_call
 from torchshell.optim import map_configure_optimizers
@@ -164,26 +164,15 @@ class JaxModule(
         )
         self.loss_fn = step_loss(loss_fn, names, self.batch_keys, per_row=self.adapter.weigh_rows)
         self._state: TrainState | None = None
-        self._synced: Any = None  # the state whose weights torch_module holds
-        self.compile_stats: jaxcore.CompileStats | None = None
         self.summary = ""
         self.flags = TrainerFlags()
-        self._flag_originals: dict[str, Any] | None = None
-        self._train_step: jaxcore.Step | None = None
-        self._pending: jaxcore.PendingState | None = None  # the init compiling (first batch)
-        # a short last accumulation window, or one holding a ragged batch: (micro, ragged)
-        self._short_steps: dict[tuple[int, bool], jaxcore.Step] = {}
-        self._train_forward: jaxcore.Step | None = None  # see ModuleHooks.outputs_ahead
-        self._restore_dir: Path | None = None
-        self._restore_tensors: dict[str, torch.Tensor] | None = None
+        self.compiled = Compiled()  # the train programs, dropped as a whole
+        self.held = Held()  # a restore waiting for the state; the state torch_module holds
         self.accumulation = Accumulation()  # Trainer(accumulate_grad_batches=m)'s window
         self._float_fields: list[str] | None = None  # names the input NaN/Inf came in
-        self._quiet: contextlib.ExitStack | None = None
         self.train_log = TrainLog(self._emit)
-        self._stats_due = False  # the first compile's statistics: logged after its step
         self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
-        self._gathered: list[Any] = []  # loaders read by gathers while a run lasts
-        self._fork_warned: set[int] = set()
+        self.run_scope = RunScope()  # what a run changes (flags, loaders), undone at its end
         self.adapter.hooks.attach(self)  # (the port: the user's hooks and loaders)
 
     @classmethod
@@ -293,15 +282,9 @@ class JaxModule(
     def init_state(self, batch: Any) -> TrainState:
         """Builds the train state from a sample batch (shapes only) on first use."""
         if self.state is None:
-            pending, self._pending = self._pending or self._start_state(batch), None
+            pending, self.compiled.pending = self.compiled.pending or self._start_state(batch), None
             state = pending.result()
-            if self._restore_dir is not None:
-                state = restore_state(self._restore_dir, state)
-                self._restore_dir = None
-            if self._restore_tensors is not None:
-                state = _state_io.state_from_tensors(self._restore_tensors, state)
-                self._restore_tensors = None
-            self.state = state
+            self.state = state = self.held.apply(state)
             self.adapter.planned(batch)
             self.summary = param_summary(state.params)
             if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
@@ -351,7 +334,7 @@ class JaxModule(
                 jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
                 micro, steps = self.accum_steps, self.steps_per_call
                 ahead = self.adapter.hooks.outputs_ahead(self, batch, 0, raw)
-            if self._state is None and self._train_step is None and m == 1:
+            if self._state is None and self.compiled.train is None and m == 1:
                 self._compile_beside_init(one, micro, jbatch)
             self.init_state(one)
             step_fn = self.adapter.steps.step_for(self, micro, jbatch)
@@ -363,10 +346,10 @@ class JaxModule(
                         self._choose_k(times, jbatch, one)
                 else:
                     self._state, metrics = step_fn(self._state, jbatch)
-            if self._stats_due and self.compile_stats is not None:
-                self._stats_due = False
+            if self.compiled.stats_due and self.compiled.stats is not None:
+                self.compiled.stats_due = False
                 self._log_to_loggers(
-                    {f"compile/{k_}": v for k_, v in self.compile_stats.as_dict().items()}
+                    {f"compile/{k_}": v for k_, v in self.compiled.stats.as_dict().items()}
                 )
             progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
             for _ in range(steps):

@@ -91,7 +91,7 @@ class StepPart(_Shared):
 
     def _choose_k(self, times: tuple[float, float], jbatch: Any, batch: Any) -> None:
         every = max(int(self.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
-        flops = getattr(self.compile_stats, "flops_per_step", None)
+        flops = getattr(self.compiled.stats, "flops_per_step", None)
         can = not self.adapter.reads_values(jbatch) and "mask" not in batch
         k = self.windows.choose(*times, every, flops) if can else 1
         self.windows.k = k
@@ -100,14 +100,14 @@ class StepPart(_Shared):
     def _one_step(self, state: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
         """One step of a window cut short (K=1 math, one call per batch)."""
         jbatch, one, _ = self.adapter.one_step_view(batch, 1)
-        assert self._train_step is not None
+        assert self.compiled.train is not None
         with self.adapter.checked(one):
-            return self._train_step(state, jbatch)  # type: ignore[no-any-return]
+            return self.compiled.train(state, jbatch)  # type: ignore[no-any-return]
 
     def _step_forward(self, batch: Any, i: int) -> tuple[Any, jax.Array]:
         """The next train step's forward pass on ``batch`` (its micro-batch ``i``) alone."""
-        if self._train_forward is None:
-            self._train_forward = jaxcore.make_train_forward(
+        if self.compiled.forward is None:
+            self.compiled.forward = jaxcore.make_train_forward(
                 self.model_fns,
                 self.loss_fn,
                 micro=self.flags.accumulate > 1,
@@ -115,14 +115,14 @@ class StepPart(_Shared):
                 weigh_rows=self.adapter.weigh_rows,
             )
         state = self.init_state(batch)
-        return self._train_forward(state, self.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
+        return self.compiled.forward(state, self.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
 
     def _compile_beside_init(self, one: Any, micro: int, jbatch: Any) -> None:
         """The first batch: the state's init program compiles in the background while the
         train step is traced and compiled on the state's shapes (``jaxcore.PendingState``);
         with a warm compile cache the two executables load side by side."""
-        self._pending = self._start_state(one)
-        self.adapter.steps.compile_train_step(self, micro, self._pending.abstract, jbatch)
+        self.compiled.pending = self._start_state(one)
+        self.adapter.steps.compile_train_step(self, micro, self.compiled.pending.abstract, jbatch)
 
     def _start_state(self, batch: Any) -> jaxcore.PendingState:
         """The state's init, compiling (``jaxcore.start_train_state``)."""
@@ -225,10 +225,8 @@ class TrainLogPart(_Shared):
         ``callback_metrics`` (where a ``ModelCheckpoint(monitor=...)`` would find them).
         """
         logs |= {f"{OWN}bridge/{k}": v for k, v in self.transfer_stats.as_metrics().items()}
-        if self._train_step is not None:
-            logs[f"{OWN}compile/recompiles"] = float(
-                self._train_step.recompiles + sum(s.compiles for s in self._short_steps.values())
-            )
+        if self.compiled.train is not None:
+            logs[f"{OWN}compile/recompiles"] = float(self.compiled.recompiles())
         if self._trainer is not None and self.loggers:
             row: dict[str, float] = logs if epoch is None else {**logs, "epoch": epoch}
             for logger in self.loggers:

@@ -106,7 +106,7 @@ class LightningCheckpoint(CheckpointLayout):
         when no host code read the weights since the last step.)"""
         versions = self.host_versions
         state = module.state
-        if state is None or module._synced is not state or not versions:
+        if state is None or module.held.synced is not state or not versions:
             return
         changed = changed_tensors(self.port.module, versions)
         if changed:
@@ -125,7 +125,7 @@ class LightningCheckpoint(CheckpointLayout):
             module.state = state.replace(
                 params=put(state.params), model_state=put(state.model_state)
             )
-            module._synced = module.state
+            module.held.synced = module.state
             self.host_versions = tensor_versions(self.port.module)
 
     def load_state_dict(
@@ -141,9 +141,9 @@ class LightningCheckpoint(CheckpointLayout):
                 " Fix: resume from a checkpoint of the same module class and hyperparameters."
             )
         if module.state is not None:
-            if module._restore_tensors is None:
+            if module.held.tensors is None:
                 module.state = self.with_weights(module, module.state, state_dict)
-        elif module._restore_tensors is None:
+        elif module.held.tensors is None:
             self.restore_weights = dict(state_dict)
         return torch.nn.modules.module._IncompatibleKeys([], [])
 

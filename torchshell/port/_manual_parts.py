@@ -107,7 +107,7 @@ class LightningSteps(TrainSteps):
         }
         pristine = module.adapter.optim.pristine  # (configure_optimizers() as first returned)
         self.port.manual_plan = map_manual(pristine, named, total_steps=4 * total + 1)
-        module._train_step = None  # the tables are constants of the compiled step
+        module.compiled.train = None  # the tables are constants of the compiled step
         self.host_steps.clear()
         if trainer is not None and not provisional and trainer.is_global_zero:
             names = ", ".join(m.description for m in self.port.manual_plan.mapped)
@@ -145,16 +145,16 @@ class LightningSteps(TrainSteps):
             with watching_trainer(self.port.host_reads):
                 super().compile_train_step(module, micro, state, jbatch)
         reads = dict(self.port.host_reads)
-        self.host_steps[:] = [*reusable(self.host_steps, reads), (reads, module._train_step)]
+        self.host_steps[:] = [*reusable(self.host_steps, reads), (reads, module.compiled.train)]
 
     def step_for(self, module: Any, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step traced with the Trainer values of this batch (traced anew for
         values none was traced with)."""
-        if module._train_step is None:  # rebuilt (new flags, a new optimizer): none holds
+        if module.compiled.train is None:  # rebuilt (new flags, a new optimizer): none holds
             self.host_steps.clear()
         elif self.host_steps and self.host_steps[0][0]:  # (no reads: the one program)
             found = (s for reads, s in self.host_steps if reads_hold(module.trainer, reads))
-            module._train_step = next(found, None)
+            module.compiled.train = next(found, None)
         step = super().step_for(module, micro, jbatch)
         if not self.window_reads_step(module, jbatch):
             return step
@@ -224,13 +224,13 @@ class LightningSteps(TrainSteps):
         """One ``sch.step()`` of optimizer ``opt_index``'s scheduler, on the JAX state."""
         if module.state is None:
             return
-        synced = module._synced is module.state
+        synced = module.held.synced is module.state
         opt_state = list(module.state.opt_state)
         own = opt_state[opt_index]
         opt_state[opt_index] = own._replace(sched=own.sched + 1)
         module.state = module.state.replace(opt_state=tuple(opt_state))
         if synced:  # (the weights did not change)
-            module._synced = module.state
+            module.held.synced = module.state
 
     def save_optimizers(self, module: Any, checkpoint: dict[str, Any]) -> None:
         """Each optimizer's and scheduler's state as plain Lightning writes them."""

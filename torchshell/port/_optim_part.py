@@ -101,7 +101,7 @@ class LightningOptimizer(OptaxOptimizer):
         user, trainer = self.port.module, module._trainer
         if trainer is None:
             return user.configure_optimizers()
-        originals = module._flag_originals or {}
+        originals = module.run_scope.originals or {}
         neutral = {k: getattr(trainer, k) for k in originals}
         for k, v in originals.items():
             setattr(trainer, k, v)
@@ -157,8 +157,7 @@ class LightningOptimizer(OptaxOptimizer):
             accumulate_grad_batches=m,
             batches_per_epoch=per_batches,
         )
-        module._train_step = None  # the tables are constants of the compiled step
-        module._short_steps = {}
+        module.compiled.drop()  # the tables are constants of the compiled step
         self.lr_scale = np.ones(len(self.mapped.groups), np.float32)  # (plateau: host copy)
 
     def optimizer(self, module: Any) -> optax.GradientTransformation:
