@@ -18,6 +18,7 @@ from bridge._layouts import (
     DENSE_KERNEL,
     Transform,
 )
+from bridge._origin import Origin, handed_over
 from bridge._parity import ParityReport, check_parity
 from bridge._prefetch import Prefetcher, prefetch
 from bridge._safetensors import load_safetensors, save_safetensors
@@ -31,6 +32,7 @@ __all__ = [
     "CONV_TRANSPOSE_KERNEL",
     "DENSE_KERNEL",
     "BridgeError",
+    "Origin",
     "ParityError",
     "ParityReport",
     "PrefetchError",
@@ -45,6 +47,7 @@ __all__ = [
     "as_torch",
     "check_parity",
     "export_state_dict",
+    "handed_over",
     "import_state_dict",
     "load_safetensors",
     "narrow",

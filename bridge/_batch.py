@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from bridge._convert import as_numpy
 from bridge._dlpack import copied_shard_bytes, prepare
 from bridge._errors import TransferError
+from bridge._origin import remember
 from bridge._stats import TransferStats
 from bridge._tree import PyTree, leaves, map_leaves
 
@@ -46,6 +47,7 @@ def rows(batch: PyTree, *, skip: tuple[str, ...] = ()) -> int:
         >>> rows({"mask": torch.ones(8), "y": torch.ones(6)}, skip=("mask",)), rows({})
         (6, 0)
     """
+    items: Iterator[Any]
     if isinstance(batch, Mapping):
         items = (v for k, v in batch.items() if k not in skip)
     elif isinstance(batch, (list, tuple)):
@@ -325,13 +327,17 @@ def to_jax(
 
         def hand_over(name: str, t: torch.Tensor) -> jax.Array:
             ready = prepare(name, t, strict=strict, stats=stats)
-            return _place_single(name, ready, strict=strict, stats=stats, own=ready is t)
+            out = _place_single(name, ready, strict=strict, stats=stats, own=ready is t)
+            remember(name, t.dtype, out)  # (an int32 field: JAX shows it as a narrowed int64)
+            return out
 
         return map_leaves(hand_over, tree, _is_tensor)
 
     copied_names: set[str] = set()
+    host_dtypes: dict[str, torch.dtype] = {}  # (before narrowing: for remember)
 
     def policy(name: str, t: torch.Tensor) -> torch.Tensor:
+        host_dtypes[name] = t.dtype
         out = prepare(name, t, strict=strict, stats=stats)
         if out is not t:
             copied_names.add(name)
@@ -355,15 +361,16 @@ def to_jax(
                 if stats is not None:
                     stats.record_copy(name, f"ragged batch padded to {rows} rows", t.nbytes)
     if sharding is None:
-        return map_leaves(
-            lambda name, t: _place_single(
-                name, t, strict=strict, stats=stats, own=name not in copied_names
-            ),
-            tree,
-            _is_tensor,
-        )
+
+        def place(name: str, t: torch.Tensor) -> jax.Array:
+            out = _place_single(name, t, strict=strict, stats=stats, own=name not in copied_names)
+            remember(name, host_dtypes.get(name, t.dtype), out)
+            return out
+
+        return map_leaves(place, tree, _is_tensor)
     named = leaves(tree, _is_tensor)
-    placed = iter(
-        _place_sharded(named, sharding, strict=strict, stats=stats, copied_names=copied_names)
-    )
+    arrays = _place_sharded(named, sharding, strict=strict, stats=stats, copied_names=copied_names)
+    for (name, t), out in zip(named, arrays, strict=True):
+        remember(name, host_dtypes.get(name, t.dtype), out)
+    placed = iter(arrays)
     return map_leaves(lambda _, t: next(placed), tree, _is_tensor)

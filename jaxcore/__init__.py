@@ -8,7 +8,13 @@ from jaxcore._errors import (
     NonFiniteError,
     ShardingError,
 )
-from jaxcore.compile import CompileStats, Step, disable_compile_cache, enable_compile_cache
+from jaxcore.compile import (
+    CompileStats,
+    Step,
+    concrete_of,
+    disable_compile_cache,
+    enable_compile_cache,
+)
 from jaxcore.eval_step import make_eval_step, make_predict_step, make_train_forward
 from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
@@ -66,6 +72,7 @@ __all__ = [
     "accumulate",
     "batch_sharding",
     "check_finite",
+    "concrete_of",
     "current_lr",
     "disable_compile_cache",
     "enable_compile_cache",

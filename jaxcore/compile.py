@@ -10,6 +10,7 @@ that executable (no second compile) and ``cost_analysis()`` gives FLOPs and byte
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import gc
 import math
@@ -133,6 +134,62 @@ def _cost(compiled: Any) -> dict[str, float]:
     return dict(cost or {})
 
 
+_CALL_ARGS: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
+    "jaxcore_step_call_args", default=None
+)
+_STANDS_FOR: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "jaxcore_step_stands_for", default=None
+)
+
+
+def concrete_of(x: Any) -> Any:
+    """While a :class:`Step` is traced: the argument leaf (the array the step was called
+    with) that traced argument ``x`` stands for; else ``None`` (outside a trace, or a value
+    computed inside the step).
+
+    Code traced inside a step uses it to say where an input came from (e.g. which batch
+    field, and its dtype on the host before it was handed to JAX).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> seen = []
+        >>> step = Step(lambda batch: seen.append(concrete_of(batch["y"])) or batch["y"] * 2)
+        >>> y = jnp.arange(3)
+        >>> step({"y": y}).tolist(), seen[0] is y, concrete_of(y)
+        ([0, 2, 4], True, None)
+    """
+    found = _STANDS_FOR.get()
+    return None if found is None else found.get(id(x))
+
+
+@contextlib.contextmanager
+def _called_with(args: tuple[Any, ...]) -> Iterator[None]:
+    token = _CALL_ARGS.set(args)
+    try:
+        yield
+    finally:
+        _CALL_ARGS.reset(token)
+
+
+@contextlib.contextmanager
+def _standing_for(traced: tuple[Any, ...]) -> Iterator[None]:
+    """Pairs the traced arguments' leaves with those of the call being traced."""
+    given = _CALL_ARGS.get()
+    pairs: dict[int, Any] | None = None
+    if given is not None:
+        found: dict[int, Any] = {}
+        try:
+            jax.tree.map(lambda t, c: found.__setitem__(id(t), c), traced, given)
+            pairs = found
+        except (ValueError, TypeError):  # another structure: not this call's arguments
+            pairs = None
+    token = _STANDS_FOR.set(pairs)
+    try:
+        yield
+    finally:
+        _STANDS_FOR.reset(token)
+
+
 class Step:
     """A jitted step: call it like the function; it counts its compilations.
 
@@ -173,12 +230,17 @@ class Step:
 
         def traced(*args: Any) -> Any:
             self._traces += 1  # runs once per trace, i.e. once per compilation
-            return fn(*args)
+            with _standing_for(args):  # (concrete_of: the arguments this trace is for)
+                return fn(*args)
 
         self._jitted = jax.jit(traced, **jit_kwargs)
 
     def __call__(self, *args: Any) -> Any:
-        return self._jitted(*args)
+        token = _CALL_ARGS.set(args)
+        try:
+            return self._jitted(*args)
+        finally:
+            _CALL_ARGS.reset(token)
 
     @property
     def compiles(self) -> int:
@@ -215,7 +277,7 @@ class Step:
             The :class:`CompileStats` (also kept in ``self.stats``).
         """
         t0 = time.perf_counter()
-        with gc_paused():
+        with gc_paused(), _called_with(args):
             traced = self._jitted.trace(*args)
             lowered = traced.lower()
         t1 = time.perf_counter()

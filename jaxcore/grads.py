@@ -11,8 +11,9 @@ Randomness: micro-batch ``i`` of an accumulated step draws ``fold_in(key, i)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,14 @@ PyTree = Any
 __all__ = ["GradFn", "Grads", "accumulate", "row_grads", "unrolled"]
 
 
-class Grads(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Grads:
     """What a :data:`GradFn` gives: sums over the rows it saw, and the new model state.
+
+    A pytree (every field a child), immutable; :meth:`_replace` gives a changed copy. (A
+    frozen dataclass, not a ``NamedTuple``: its ``count`` field would shadow
+    ``tuple.count``.)
 
     Attributes:
         grads: the gradient of ``loss`` (a sum over rows) w.r.t. the params.
@@ -49,8 +56,14 @@ class Grads(NamedTuple):
     each: Any = None
     check: Any = None
 
+    def _replace(self, **changes: Any) -> Grads:
+        """A copy with ``changes`` (as ``NamedTuple._replace``)."""
+        return dataclasses.replace(self, **changes)
 
-GradFn = Callable[[PyTree, PyTree, Batch, jax.Array], Grads]
+
+GradFn = Callable[[PyTree, PyTree, PyTree, jax.Array], Grads]
+"""``(params, model_state, batch, key) -> Grads``; the batch is one batch, or the window of
+micro-batches a transform takes (stacked ``[m, B, ...]``, or a sequence for :func:`unrolled`)."""
 
 
 def row_grads(
@@ -181,7 +194,9 @@ def unrolled(grad_fn: GradFn, *, per_micro: bool = False) -> GradFn:
         7.0
     """
 
-    def grad_sums(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Grads:
+    def grad_sums(
+        params: PyTree, model_state: PyTree, batch: Sequence[Batch], key: jax.Array
+    ) -> Grads:
         total: Grads | None = None
         each = []
         for i, mb in enumerate(batch):

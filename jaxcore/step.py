@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,15 @@ __all__ = [
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 GradsHook = Callable[[TrainState, PyTree], tuple[PyTree, Metrics]]
+
+
+class CheckedStepFn(Protocol):
+    """A :data:`StepFn` that also takes its batch's input check ``found`` (``int32[...]``,
+    computed before the loop by :func:`k_steps`), or ``None`` to check the batch itself."""
+
+    def __call__(
+        self, state: TrainState, batch: Batch, found: jax.Array | None = None, /
+    ) -> tuple[TrainState, Metrics]: ...
 
 
 def scale_grads(factor: float) -> GradsHook:
@@ -123,7 +132,7 @@ def train_step(
     hooks: Sequence[GradsHook] = (),
     nan_policy: str = "none",
     input_rows: Callable[[Batch], Batch] = lambda batch: batch,
-) -> StepFn:
+) -> CheckedStepFn:
     """One optimizer step from a gradient function: ``step(state, batch) -> (state, metrics)``.
 
     The step's key is ``fold_in(state.rng, state.step)``; losses, metrics and gradients are
@@ -194,7 +203,10 @@ def train_step(
 
 
 def k_steps(
-    step: StepFn, k: int, *, input_check: Callable[[Batch], jax.Array] | None = None
+    step: StepFn | CheckedStepFn,
+    k: int,
+    *,
+    input_check: Callable[[Batch], jax.Array] | None = None,
 ) -> StepFn:
     """``step`` run over K stacked batches (every field ``[K, B, ...]``) in one ``lax.scan``;
     the metrics gain a leading K axis.
@@ -225,7 +237,8 @@ def k_steps(
         if input_check is None:
             return jax.lax.scan(step, state, batches)
         found = input_check(batches)
-        return jax.lax.scan(lambda st, xs: step(st, *xs), state, (batches, found))
+        with_found = cast(CheckedStepFn, step)  # (with input_check: a CheckedStepFn, above)
+        return jax.lax.scan(lambda st, xs: with_found(st, *xs), state, (batches, found))
 
     return multi_step
 
@@ -332,7 +345,7 @@ def make_train_step(
     def input_rows(batch: Batch) -> Batch:
         return _flat_rows(batch, stacked_micro, unrolled_micro)
 
-    def compose(grad_fn: GradFn) -> StepFn:
+    def compose(grad_fn: GradFn) -> CheckedStepFn:
         return train_step(grad_fn, tx, hooks=hooks, nan_policy=nan_policy, input_rows=input_rows)
 
     one_step = compose(grad_fn)

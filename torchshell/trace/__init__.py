@@ -24,7 +24,7 @@ torchaudio's RNN-T loss, :mod:`._ctc` for the CTC loss, and :mod:`._attention`:
 sliced tensor (:mod:`._inplace`: ``bias[C:2*C].zero_()``).
 """
 
-from torchshell.trace._env import check_class_target, environment, tracing
+from torchshell.trace._env import environment, tracing
 from torchshell.trace._paths import (
     Bound,
     attributes_kept,
@@ -46,6 +46,7 @@ from torchshell.trace._reads import (
     Reads,
     TracedScalar,
 )
+from torchshell.trace._targets import check_class_target
 
 __all__ = [
     "HOST",

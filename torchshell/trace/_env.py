@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
-from torchshell._errors import TorchModelError
 from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._autocast import user_autocast
 from torchshell.trace._conv import conv_lowerings
@@ -37,10 +36,11 @@ from torchshell.trace._lowerings import (
 )
 from torchshell.trace._no_grad import stopped_in_no_grad, user_no_grad_regions
 from torchshell.trace._norms import norm_lowerings
-from torchshell.trace._ops import check_target_dtype, install_ops
+from torchshell.trace._ops import install_ops
 from torchshell.trace._packed import packed_as_masks
 from torchshell.trace._reads import Reads, scalar_reads
 from torchshell.trace._rnnt import rnnt_loss_forward
+from torchshell.trace._targets import casts_to_long, class_index_checked
 
 _BATCH_NORM_OPS = (
     "native_batch_norm",
@@ -129,6 +129,7 @@ def environment(reads: Reads) -> Any:
     # in the compiled step the device is JAX's; torchax would copy it to a torch CPU tensor
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
     env.override_op_definition(F.ctc_loss, functools.partial(_ctc_loss, env))
+    casts_to_long(env)  # y.long() of an int32 batch field: no longer the field (_targets)
     return env
 
 
@@ -228,7 +229,6 @@ def tracing() -> Iterator[None]:
     reduced_sdpa = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     checks = _metric_checks()
-    losses = {(F, name): getattr(F, name) for name in ("cross_entropy", "nll_loss")}
     torchax_log = logging.getLogger("torchax.tensor")
     torchax_log.addFilter(_not_data_copy)
     from torchax.view import View
@@ -238,8 +238,6 @@ def tracing() -> Iterator[None]:
     try:
         for module, name in checks:
             setattr(module, name, _no_check)
-        for (module, name), loss in losses.items():
-            setattr(module, name, _class_index_checked(loss))
         # constants fold (ops over traced values do not: folded_when_concrete)
         with (
             jax.ensure_compile_time_eval(),
@@ -248,6 +246,7 @@ def tracing() -> Iterator[None]:
             uncached(),
             host_random_refused(),  # np.random.beta in a step: one draw reused, refused
             user_no_grad_regions(),  # the user's torch.no_grad(): no gradient through it
+            class_index_checked(),  # F.cross_entropy/nll_loss: targets torch refuses, refused
             warnings.catch_warnings(),
             # Lightning's precision plugin's region is not the step's (the JAX step has its
             # compute dtype); the user's own torch.autocast inside it is (user_autocast)
@@ -258,44 +257,12 @@ def tracing() -> Iterator[None]:
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad=True")
             yield
     finally:
-        for (module, name), check in {**checks, **losses}.items():
+        for (module, name), check in checks.items():
             setattr(module, name, check)
         torch.backends.mha.set_fastpath_enabled(fast)
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced_sdpa)
         torchax_log.removeFilter(_not_data_copy)
         View.__setitem__ = view_setitem  # type: ignore[method-assign]
-
-
-def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
-    """Refuses floating class indices as torch does (under JAX they fail in a gather).
-
-    A floating target of the input's rank is class probabilities (``cross_entropy``'s soft
-    labels) and passes. ``target``: a torch or JAX array.
-    """
-    floating = getattr(target.dtype, "is_floating_point", None)
-    if floating is None:
-        floating = jnp.issubdtype(target.dtype, jnp.floating)
-    soft = loss in ("cross_entropy", "CrossEntropyLoss") and target.ndim == input_ndim
-    if floating and not soft:
-        raise TorchModelError(
-            f"{loss}: the target holds class indices of shape {tuple(target.shape)} but is "
-            f"{target.dtype} (plain torch raises 'expected scalar type Long but found "
-            "Float'). Fix: integer labels (.long() in the Dataset or collate), or class "
-            "probabilities of the input's shape."
-        )
-    if not floating:  # class indices: int16, int8, uint16, bool refused as torch does
-        check_target_dtype(loss, target)
-
-
-def _class_index_checked(loss: Callable[..., Any]) -> Callable[..., Any]:
-    """``loss`` with :func:`check_class_target` first."""
-
-    @functools.wraps(loss)
-    def checked(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        check_class_target(loss.__name__, input.ndim, target)
-        return loss(input, target, *args, **kwargs)
-
-    return checked
 
 
 def _no_check(*args: Any, **kwargs: Any) -> None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.trace._env import check_class_target
+from torchshell.trace._targets import check_class_target, class_index_checked
 
 __all__ = [
     "is_torch_loss",
@@ -126,11 +126,13 @@ def torch_function_loss(
 
     def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> jax.Array:
         target = batch[target_field(batch, label_key, inputs, name)]
+        # (F.cross_entropy/nll_loss in it refuse the class-index targets torch refuses)
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.filterwarnings(
                 "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
             )
-            value = call_torch(_with_fields(fn), outputs, target)
+            with class_index_checked():
+                value = call_torch(_with_fields(fn), outputs, target)
         return jnp.asarray(value, jnp.float32)
 
     return jaxcore.per_example(loss_fn)

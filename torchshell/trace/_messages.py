@@ -52,7 +52,7 @@ def lowering_site(err: BaseException) -> tuple[str, str, str] | None:
     user's code: ``(op, the lowering's line, which arguments are traced)``, else ``None``."""
     from torchshell.trace._paths import traced
 
-    found = None
+    found: tuple[Any, dict[str, Any], str | None] | None = None  # (op, its locals, line)
     tb: types.TracebackType | None = err.__traceback__
     while tb is not None:
         frame = tb.tb_frame
@@ -64,9 +64,11 @@ def lowering_site(err: BaseException) -> tuple[str, str, str] | None:
         elif found is not None and "/torchax/" not in name and "/jax/" not in name:
             found = None  # the user's (or torch's) Python again: a read of theirs
         tb = tb.tb_next
-    if found is None or found[2] is None:
+    if found is None:
         return None
     func, local, line = found
+    if line is None:
+        return None
     op = func.name() if hasattr(func, "name") else getattr(func, "__name__", str(func))
     args = local.get("old_args", local.get("args", ()))
     kwargs = local.get("old_kwargs", local.get("kwargs", {})) or {}

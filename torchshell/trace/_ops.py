@@ -12,7 +12,8 @@
   ``U(lower, upper)`` where ``x <= 0``, from the step's key (as dropout draws).
 - ``Tensor.normal_`` failed in torchax (no functional ``aten::normal`` overload takes its
   arguments); ``normal_``/``uniform_`` draw from the step's key, in the tensor's dtype, with
-  torch's argument checks.
+  torch's argument checks (the functional ``aten::uniform`` too: torchax asserted
+  ``from <= to``, a bare ``AssertionError``).
 - Matmuls and convolutions refuse operands of different dtypes at trace time as torch does,
   where JAX would promote silently (a bf16 batch into an fp32 ``nn.Linear``).
 """
@@ -89,10 +90,10 @@ def adaptive_max_pool(x: jax.Array, output_size: Sequence[int]) -> tuple[jax.Arr
         shape = [1] * (2 * k)
         shape[a], shape[k + a] = idx.shape
         flat = flat + idx.reshape(shape) * strides[a]
-    flat = jnp.asarray(flat.reshape(*flat.shape[:k], -1), jnp.int32)
+    positions = jnp.asarray(flat.reshape(*flat.shape[:k], -1), jnp.int32)
     pos = _first_max(win)[..., None]
     values = jnp.take_along_axis(win, pos, axis=-1)[..., 0]
-    indices = jnp.take_along_axis(jnp.broadcast_to(flat, win.shape), pos, axis=-1)[..., 0]
+    indices = jnp.take_along_axis(jnp.broadcast_to(positions, win.shape), pos, axis=-1)[..., 0]
     return values, indices
 
 
@@ -173,20 +174,24 @@ def rrelu_with_noise(
     return env.j2t_iso(out)
 
 
-def _random_(env: Any, kind: str) -> Callable[..., jax.Array]:
-    """The functional of ``normal_``/``uniform_``: a draw of ``x``'s shape and dtype."""
+def _random_(env: Any, kind: str, op: str | None = None) -> Callable[..., jax.Array]:
+    """The functional of ``normal_``/``uniform_`` (``op``: the name the error gives, by
+    default ``Tensor.normal_``/``Tensor.uniform_``): a draw of ``x``'s shape and dtype."""
+    op = op or f"Tensor.{kind}_"
 
     def draw(x: jax.Array, a: float = 0.0, b: float = 1.0, *, generator: Any = None) -> Any:
         a, b = float(a), float(b)
         if kind == "normal" and b < 0:
             raise TorchModelError(
-                f"Tensor.normal_(mean={a}, std={b}): torch needs std >= 0.0 (it raises "
-                "'normal expects std >= 0.0'). Fix: pass a non-negative std."
+                f"{op}(mean={a}, std={b}) in {_module_site()}: torch needs std >= 0.0 (it "
+                f"raises 'normal expects std >= 0.0, but found std {b:g}'). Fix: pass a "
+                "non-negative std."
             )
         if kind == "uniform" and a > b:
             raise TorchModelError(
-                f"Tensor.uniform_(from={a}, to={b}): torch needs from <= to (it raises "
-                "'uniform_ expects to return a [from, to) range'). Fix: swap the bounds."
+                f"{op}(from={a}, to={b}) in {_module_site()}: torch needs from <= to (it "
+                "raises 'uniform_ expects to return a [from, to) range, but found "
+                f"from={a:g} > to={b:g}'). Fix: swap the bounds ({op}(from={b}, to={a}))."
             )
         dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
         key = env.get_and_rotate_prng_key(generator)
@@ -298,35 +303,6 @@ def _mixed(op: str, tensors: dict[str, Any], conv: bool) -> TorchModelError:
     )
 
 
-# class-index targets torch refuses that reach the trace in their own dtype (int64 and uint64
-# arrive narrowed to int32/uint32, so those two cannot be told from a user's int32/uint32)
-_REFUSED_TARGETS = {"int8": "Char", "int16": "Short", "uint16": "UInt16", "bool": "Bool"}
-
-
-def check_target_dtype(loss: str, target: Any) -> None:
-    """Refuses class-index targets of a dtype torch's ``nll_loss`` refuses.
-
-    torch 2.9 takes int64 (and uint8) class indices and raises ``expected scalar type Long
-    but found Short`` for int16, int8, uint16, bool (and int32, which coreshell cannot tell
-    from the int64 it hands over as int32 with x64 off, so int32 is taken).
-
-    Example:
-        >>> check_target_dtype("cross_entropy", jnp.zeros(3, jnp.int32))
-        >>> check_target_dtype("cross_entropy", jnp.zeros(3, jnp.int16))
-        Traceback (most recent call last):
-        ...
-        torchshell._errors.TorchModelError: cross_entropy: the class-index target is int16...
-    """
-    name = _dtype_name(target)
-    if name in _REFUSED_TARGETS:
-        raise TorchModelError(
-            f"{loss}: the class-index target is {name} (shape {tuple(target.shape)}); plain "
-            f"torch raises 'expected scalar type Long but found {_REFUSED_TARGETS[name]}'. "
-            "Expected int64 class indices (uint8 is taken too). Fix: .long() on the labels "
-            "in the Dataset or collate (or in the loss)."
-        )
-
-
 # aten ops (``x @ w``, ``torch.bmm``, the convolutions), as ``name.overload``
 # fmt: off
 _DTYPE_CHECKED = (
@@ -339,7 +315,7 @@ _DTYPE_CHECKED = (
 # fmt: on
 
 
-_FUNCTIONS = {
+_FUNCTIONS: dict[Callable[..., Any], str] = {
     torch.nn.functional.linear: "F.linear",
     torch.conv1d: "F.conv1d",
     torch.conv2d: "F.conv2d",
@@ -375,6 +351,10 @@ def install_ops(env: Any) -> None:
     for op, kind in ((aten.normal_.default, "normal"), (aten.uniform_.default, "uniform")):
         inplace = op_base.InplaceOp(_random_(env, kind), is_jax_func=True)
         put(op, inplace, jax_fn=False, needs_env=False, view=True)
+    # the functional op (``torch.ops.aten.uniform(x, a, b)``; ``uniform.out``): torchax's
+    # own lowering asserted from <= to (a bare AssertionError); torch's checks here
+    for uniform in (aten.uniform, aten.uniform.default):  # (torchax registers the packet)
+        put(uniform, _random_(env, "uniform", "aten.uniform"), jax_fn=True, needs_env=False)
     for name in _DTYPE_CHECKED:
         packet, overload = name.split(".")
         op = getattr(getattr(aten, packet), overload)

@@ -1,0 +1,171 @@
+"""Class-index targets of ``F.cross_entropy``/``F.nll_loss`` (and their modules), refused in
+the dtypes torch refuses.
+
+torch 2.9 takes int64 (and uint8) class indices and raises ``expected scalar type Long but
+found Int`` for every other integer dtype and bool, ``... but found Float`` for floating
+indices. In a traced step most of these reach the loss in their own dtype. Two do not: with
+x64 off the bridge hands ``int64`` over as ``int32`` (``uint64`` as ``uint32``), so an
+``int32`` target looks like the ``int64`` one torch code normally gets. For those the target's
+origin decides: a batch field that was ``int32``/``uint32`` on the host
+(:func:`bridge.handed_over`, through :func:`jaxcore.concrete_of` while the step is traced)
+is refused, naming the field; an ``int32`` computed in the step (``y.long()``, ``argmax``:
+torch's int64) is taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+
+import bridge
+import jaxcore
+from torchshell._errors import TorchModelError
+
+__all__ = ["casts_to_long", "check_class_target", "check_target_dtype", "class_index_checked"]
+
+# class-index targets torch refuses that reach the trace in their own dtype
+_REFUSED_TARGETS = {"int8": "Char", "int16": "Short", "uint16": "UInt16", "bool": "Bool"}
+# host dtypes torch refuses that the trace sees as a narrowed int64/uint64 (see the top)
+_HOST_REFUSED = {"int32": "Int", "uint32": "UInt32"}
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def check_target_dtype(loss: str, target: Any) -> None:
+    """Refuses class-index targets of a dtype torch's ``nll_loss`` refuses: int16, int8,
+    uint16, bool in any case; int32 and uint32 when the target is a batch field of that dtype
+    on the host (see the module's docstring). ``target``: a torch or JAX array.
+
+    Example:
+        >>> check_target_dtype("cross_entropy", jnp.zeros(3, jnp.int32))  # (made in JAX)
+        >>> check_target_dtype("cross_entropy", jnp.zeros(3, jnp.int16))
+        Traceback (most recent call last):
+        ...
+        torchshell._errors.TorchModelError: cross_entropy: the class-index target is int16...
+    """
+    name = _dtype_name(target)
+    if name in _REFUSED_TARGETS:
+        raise TorchModelError(
+            f"{loss}: the class-index target is {name} (shape {tuple(target.shape)}); plain "
+            f"torch raises 'expected scalar type Long but found {_REFUSED_TARGETS[name]}'. "
+            "Expected int64 class indices (uint8 is taken too). Fix: .long() on the labels "
+            "in the Dataset or collate (or in the loss)."
+        )
+    if name not in ("int32", "uint32"):
+        return
+    origin = bridge.handed_over(_concrete(target))
+    if origin is not None and str(origin.dtype).removeprefix("torch.") in _HOST_REFUSED:
+        host = str(origin.dtype).removeprefix("torch.")
+        raise TorchModelError(
+            f"{loss}: the class-index target is {_field(origin.field)}, which the DataLoader "
+            f"gives as {host} (shape {tuple(target.shape)}); plain torch raises "
+            f"'expected scalar type Long but found {_HOST_REFUSED[host]}' and does not train. "
+            "Expected int64 class indices (uint8 is taken too). Fix: .long() on the labels in "
+            "the Dataset or collate (e.g. torch.tensor(label, dtype=torch.long))."
+        )
+
+
+def _field(path: str) -> str:
+    """A bridge path (``y``, ``1``, ``labels/0``) as the user indexes the batch.
+
+    Example:
+        >>> _field("y"), _field("1"), _field("labels/0")
+        ("batch['y']", 'batch[1]', "batch['labels'][0]")
+    """
+    return "batch" + "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]" for p in path.split("/"))
+
+
+def _concrete(target: Any) -> Any:
+    """The JAX array the bridge returned that ``target`` (a torchax tensor, a JAX array or
+    tracer) is, where it is one."""
+    value = getattr(target, "_elem", target)  # (a torchax tensor's array)
+    if isinstance(value, jax.core.Tracer):
+        return jaxcore.concrete_of(value)
+    return value
+
+
+def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
+    """Refuses floating class indices as torch does (under JAX they fail in a gather), and
+    integer ones of a dtype torch refuses (:func:`check_target_dtype`).
+
+    A floating target of the input's rank is class probabilities (``cross_entropy``'s soft
+    labels) and passes. ``target``: a torch or JAX array.
+    """
+    floating = getattr(target.dtype, "is_floating_point", None)
+    if floating is None:
+        floating = jnp.issubdtype(target.dtype, jnp.floating)
+    soft = loss in ("cross_entropy", "CrossEntropyLoss") and target.ndim == input_ndim
+    if floating and not soft:
+        raise TorchModelError(
+            f"{loss}: the target holds class indices of shape {tuple(target.shape)} but is "
+            f"{target.dtype} (plain torch raises 'expected scalar type Long but found "
+            "Float'). Fix: integer labels (.long() in the Dataset or collate), or class "
+            "probabilities of the input's shape."
+        )
+    if not floating:  # class indices: int16, int8, uint16, bool; int32 from the host
+        check_target_dtype(loss, target)
+
+
+def _checked(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss`` with :func:`check_class_target` first."""
+
+    @functools.wraps(loss)
+    def checked(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        check_class_target(loss.__name__, input.ndim, target)
+        return loss(input, target, *args, **kwargs)
+
+    return checked
+
+
+@contextlib.contextmanager
+def class_index_checked() -> Iterator[None]:
+    """``F.cross_entropy`` and ``F.nll_loss`` (``nn.CrossEntropyLoss``/``nn.NLLLoss`` call
+    them) check their target first (:func:`check_class_target`) for the duration.
+
+    Example:
+        >>> import torch
+        >>> with class_index_checked():
+        ...     F.cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int16))
+        Traceback (most recent call last):
+        ...
+        torchshell._errors.TorchModelError: cross_entropy: the class-index target is int16...
+    """
+    originals = {name: getattr(F, name) for name in ("cross_entropy", "nll_loss")}
+    try:
+        for name, loss in originals.items():
+            setattr(F, name, _checked(loss))
+        yield
+    finally:
+        for name, loss in originals.items():
+            setattr(F, name, loss)
+
+
+def casts_to_long(env: Any) -> None:
+    """``y.long()`` (``.to(torch.int64)``...) in a torchax environment gives a new array.
+
+    With x64 off the cast of an int32 tensor to int64 is int32 to int32, and JAX returns the
+    same array: a batch field the user casts (what torch asks for) would still be the field
+    :func:`check_target_dtype` refuses. A copy (which XLA removes) makes it a value of its
+    own, as in torch.
+    """
+    from torchax.tensor import Tensor
+
+    to_copy = env._to_copy
+
+    def cast(the_tensor: Any, new_dtype: Any, new_device: Any) -> Any:
+        out = to_copy(the_tensor, new_dtype, new_device)
+        same = isinstance(out, Tensor) and out._elem is getattr(the_tensor, "_elem", None)
+        if same and new_dtype in (torch.int64, torch.uint64):
+            return Tensor(jnp.array(out._elem, copy=True), env, out.requires_grad)
+        return out
+
+    env._to_copy = cast
