@@ -162,10 +162,11 @@ class LightningHooks(ModuleHooks):
         def both(*args: Any, **kwargs: Any) -> Any:
             ours(*args, **kwargs)
             user = self.port.module
-            user.log, user.log_dict = module.log, module.log_dict
+            user.log, user.log_dict = module.log, module.log_dict  # type: ignore[method-assign]
             steps = module.adapter.steps
             if steps.manual:  # (its sch.step() moves the compiled step's schedule)
-                user.lr_schedulers = functools.partial(steps.host_schedulers, module)
+                host = functools.partial(steps.host_schedulers, module)
+                user.lr_schedulers = host  # type: ignore[method-assign]
             try:
                 with synced_on_read(user, module._sync_user_weights):
                     return theirs(*args, **kwargs)

@@ -104,13 +104,19 @@ def _state_reductions(metric: Metric) -> tuple[tuple[str, str], ...] | None:
     return tuple(out)
 
 
-def add_metric_states(metric: Metric, call: MetricCall, host: Mapping[str, Any], i: int) -> None:
-    """Adds one traced call's batch states (host arrays) to the user's real ``metric``.
+def add_metric_states(
+    module: torch.nn.Module, call: MetricCall, host: Mapping[str, Any], i: int
+) -> None:
+    """Adds one traced call's batch states (host arrays) to the user's real metric (``module``,
+    a torchmetrics ``Metric`` found by its submodule path).
 
     The same as its ``update`` on that batch: states combined by their reduction, the update
     counted, the cached value cleared; a ``forward`` also leaves its batch value where
     Lightning reads it when the metric object is logged (``_forward_cache``).
     """
+    if not isinstance(module, Metric):
+        raise TypeError(f"{call.path}: a torchmetrics Metric was traced, found {module!r}")
+    metric = module
     for name, kind in call.states:
         old = getattr(metric, name)
         value = np.array(host[f"{METRIC_KEY}{i}/{name}"])  # a copy (float32 from the step)

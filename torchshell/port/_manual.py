@@ -218,7 +218,8 @@ class ManualRun:
             value = jax.lax.stop_gradient(value)  # (torch updates under no_grad)
             if self.delta is not None:
                 value = value + self.delta[name]  # later uses are differentiated too
-            tensors[name]._elem = value.astype(tensors[name]._elem.dtype)
+            tensor: Any = tensors[name]  # (a torchax tensor: its JAX value is _elem)
+            tensor._elem = value.astype(tensor._elem.dtype)
         self.steps += 1
 
     def zero_grad(self, names: frozenset[str], set_to_none: bool) -> None:

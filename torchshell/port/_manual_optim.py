@@ -113,7 +113,8 @@ class ManualPlan:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The ``.ckpt``'s ``optimizer_states`` and ``lr_schedulers`` as plain Lightning writes
         them for these states."""
-        optimizers, schedulers = [], []
+        optimizers: list[dict[str, Any]] = []
+        schedulers: list[dict[str, Any]] = []
         for mapped, state in zip(self.mapped, states, strict=True):
             sched = int(state.sched)
             sd, _ = state_to_torch(mapped, state.opt)  # (the slots after `steps` steps)
