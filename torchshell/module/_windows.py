@@ -197,11 +197,15 @@ class Windows:
             for b in batches:
                 state, metrics = one_step(state, b)
             return state, metrics
-        n = max(rows(b) for b in batches)
-        padded = [b if rows(b) == n else bridge.pad_batch(b, n) for b in batches]
+        sizes = [rows(b) for b in batches]
+        n = max(sizes)
+        padded = [
+            b if m == n else bridge.pad_batch(b, n) for b, m in zip(batches, sizes, strict=True)
+        ]
         if any("mask" in b for b in padded):
             padded = [bridge.pad_batch(b, n) for b in padded]
-        padded = [_sizeless(b) for b in padded]  # (a short batch's list fields, padded)
+        if not all(isinstance(t, torch.Tensor) for b in padded for t in b.values()):
+            padded = [_sizeless(b) for b in padded]  # (a short batch's list fields, padded)
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)  # (nested, host-only)
         jbatch = bridge.to_jax(stacked, placement.window, stats=placement.stats)
         if "mask" not in jbatch:
