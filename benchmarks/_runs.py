@@ -1,7 +1,8 @@
 """Running the real ``coreshell train`` in a child process: the command, a run that is
 watched and killed, its MLflow loss history, its exported weights.
 
-Shared by ``kill_campaign.py``, ``checkpoint_cost.py`` and ``tests/torchshell/test_resume.py``.
+Shared by ``kill_campaign.py``, ``checkpoint_cost.py``, ``outage_soak.py``,
+``tests/torchshell/test_resume.py`` and ``tests/torchshell/test_serve.py``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,20 @@ def cli_module() -> str:
     raise RuntimeError(f"no coreshell CLI module found among {names}")
 
 
-def quiet_env() -> dict[str, str]:
-    """This process's environment with Python warnings off, for a child."""
-    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+# XLA's CPU backend unoptimised, for smoke runs whose figures mean nothing (benchmarks/run.py
+# --tiny and gpu.sh --dry-run set the same flags): a cold compile takes less CPU (the tiny
+# spoken-digits train of tests/torchshell/test_serve.py: 39-42 -> 32-34 s of CPU in all),
+# the steps run a little slower. A run that hits the compile cache gains nothing.
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def quiet_env(smoke: bool = False) -> dict[str, str]:
+    """This process's environment with Python warnings off, for a child; with ``smoke``,
+    XLA's CPU backend unoptimised (:data:`SMOKE_XLA_FLAGS`)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if smoke:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip()
+    return env
 
 
 def train_cmd(tmp: Path, name: str, *overrides: str, prefix: list[str] | None = None) -> list[str]:

@@ -24,12 +24,18 @@ SLOW_FIRST = (
     "tests/torchshell/test_export.py",
     "tests/torchshell/test_resume.py",
     "tests/test_outage_soak.py",
-    "tests/torchshell/test_serve.py",
-    "tests/test_gpu_script.py",
-    "tests/torchshell/test_port_audio.py",
-    "tests/test_kill_campaign.py",
+    # the rest by their CPU seconds, each file alone (load 5-10, 2026-12-07): 130, 94, 91, 89,
+    # 87, 80; test_tracking (38 s of CPU, ~95 s with its server restarts); 75, 47, 43, 37
     "tests/torchshell/test_torch_patterns.py",
+    "tests/torchshell/test_port_audio.py",
     "tests/torchshell/test_trace_ops.py",
+    "tests/test_gpu_script.py",
+    "tests/torchshell/test_user_batches.py",
+    "tests/torchshell/test_serve.py",
+    "tests/torchshell/test_tracking.py",
+    "tests/test_kill_campaign.py",
+    "tests/torchshell/test_quiet_console.py",
+    "tests/torchshell/test_multiprocess_eval.py",
     "tests/torchshell/test_cli_errors.py",
 )
 
