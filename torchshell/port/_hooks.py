@@ -33,6 +33,7 @@ from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._prepare import check_trainable, layers_changed
 from torchshell.port._trace import LightningPort
 from torchshell.port._weights import synced_on_read
+from torchshell.trace._paths import mode
 
 __all__ = ["LightningHooks"]
 
@@ -82,6 +83,19 @@ _OPTIMIZER_HOOKS = (
     "optimizer_step",
     "lr_scheduler_step",
 )
+# what such an override usually does, and the form the compiled step takes it in
+_OPTIMIZER_HOOK_FIXES = {
+    "optimizer_step": (
+        "; a learning-rate warm-up set in optimizer_step, as Lightning's docs show it: return "
+        'it from configure_optimizers as {"scheduler": LambdaLR(opt, lambda s: min(1.0, '
+        '(s + 1) / N)), "interval": "step"}'
+    ),
+    "lr_scheduler_step": (
+        "; a scheduler that is not a torch LRScheduler (timm's, stepped with epoch=): the "
+        "same schedule as a torch one (LambdaLR, or SequentialLR of LinearLR and "
+        "CosineAnnealingLR), which Lightning steps itself"
+    ),
+}
 
 
 class LightningHooks(ModuleHooks):
@@ -105,8 +119,9 @@ class LightningHooks(ModuleHooks):
                 f"{type(port.module).__name__} overrides {custom}: torch code around the "
                 "backward pass or the optimizer step, which the compiled JAX step does not "
                 "run. Fix: remove the override (gradient clipping: Trainer("
-                "gradient_clip_val=...)), or pass optimizer= an optax transform that does "
-                "the same."
+                "gradient_clip_val=...)"
+                + "".join(_OPTIMIZER_HOOK_FIXES[h] for h in custom if h in _OPTIMIZER_HOOK_FIXES)
+                + "), or pass optimizer= an optax transform that does the same."
             )
 
     def attach(self, module: Any) -> None:
@@ -206,9 +221,14 @@ class LightningHooks(ModuleHooks):
 
         What a callback's ``pl_module(x)`` runs (sampling at an epoch's end), as in plain
         Lightning; the training and evaluation steps never call it (they are traced).
+        After ``pl_module.eval()`` (the UvA tutorials' ``GenerateCallback``) it runs in eval
+        mode, as the user's module would in plain Lightning, its own modes back afterwards.
         """
         module._sync_user_weights()
-        return self.port.module(*args, **kwargs)
+        if module.training:
+            return self.port.module(*args, **kwargs)
+        with mode(self.port.module, False):
+            return self.port.module(*args, **kwargs)
 
     def attribute(self, module: Any, name: str) -> Any:
         """The user's module's own attributes (``pl_module.net``, ``pl_module.my_setting`` in

@@ -266,13 +266,16 @@ _REDUCED: contextvars.ContextVar[bool] = contextvars.ContextVar("reduced_compute
 def reduced_compute(params: Any, params0: Any) -> Iterator[None]:
     """Marks a traced call whose params are cast from the module's dtype (bf16 compute): as
     under ``torch.autocast``, :func:`_same_dtypes` then lets fp32 buffers meet bf16 inputs.
+    So does Lightning's ``precision="bf16-true"`` context (torch's default dtype bfloat16,
+    the batch cast to it), where a trace on the float32 weights alone (the first batch's
+    look for host reads) meets the bfloat16 batch the compiled step casts the weights to.
 
     Example:
         >>> with reduced_compute({"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.ones(2)}):
         ...     _REDUCED.get()
         True
     """
-    cast = any(
+    cast = torch.get_default_dtype() == torch.bfloat16 or any(
         k in params0 and jnp.dtype(v.dtype) != jnp.dtype(params0[k].dtype)
         for k, v in params.items()
     )

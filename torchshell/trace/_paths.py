@@ -138,15 +138,25 @@ def attributes_kept(module: nn.Module, carried: set[str] | None = None) -> Itera
     finally:
         for name, (m, old) in before.items():
             now = vars(m)
+            derived = _recomputed(m)
             for key in [k for k in now if k not in old or now[k] is not old[k]]:
                 value = now[key]
-                if carried is not None and not key.startswith("_") and traced(value):
+                own = not key.startswith("_") and key not in derived
+                if carried is not None and own and traced(value):
                     carried.add(f"{name}.{key}" if name else key)
                 if key not in old:
                     if _tensors(value):
                         del now[key]
                 elif old[key] is None or isinstance(old[key], torch.Tensor) or _tensors(value):
                     now[key] = old[key]
+
+
+def _recomputed(m: nn.Module) -> set[str]:
+    """Attributes a forward pre-hook of ``m`` computes afresh in every call (the legacy
+    ``torch.nn.utils.weight_norm``/``spectral_norm`` set ``m.weight`` from ``weight_g`` and
+    ``weight_v``): derived from the weights each step, not state kept for the next batch."""
+    hooks = getattr(m, "_forward_pre_hooks", {}).values()
+    return {h.name for h in hooks if isinstance(getattr(h, "name", None), str)}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
