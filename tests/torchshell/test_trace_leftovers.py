@@ -24,22 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from tests.helpers import quiet_trainer
 from torchshell import JaxModule
 from torchshell._errors import TorchModelError
 from torchshell.torch_model import torch_model_fns
 
 _LONG = "expected scalar type Long but found Int"
-
-
-def _trainer() -> L.Trainer:
-    return L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
 
 
 def _rows(dtype: torch.dtype, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +50,7 @@ def _fit_torch(loss: Any, dtype: torch.dtype) -> L.Trainer:
     module = JaxModule.from_torch(
         net, loss, torch.optim.SGD(net.parameters(), lr=0.1), inputs=(0,), print_summary=False
     )
-    trainer = _trainer()
+    trainer = quiet_trainer(max_steps=2)
     trainer.fit(module, DataLoader(TensorDataset(*_rows(dtype)), batch_size=8))
     return trainer
 
@@ -141,13 +131,15 @@ def test_int32_class_targets_are_refused_through_from_lightning(batches: str) ->
     )
     assert next(iter(loader))[1 if batches == "tuple" else "label"].dtype == torch.int32
     with pytest.raises(TorchModelError) as info:
-        _trainer().fit(JaxModule.from_lightning(_Classifier(), print_summary=False), loader)
+        quiet_trainer(max_steps=2).fit(
+            JaxModule.from_lightning(_Classifier(), print_summary=False), loader
+        )
     field = "batch[1]" if batches == "tuple" else "batch['label']"
     message = str(info.value)
     assert f"cross_entropy: the class-index target is {field}" in message, message
     assert "int32" in message and _LONG in message and "Fix: .long()" in message, message
     for target in ("long", "pseudo"):
-        trainer = _trainer()
+        trainer = quiet_trainer(max_steps=2)
         trainer.fit(JaxModule.from_lightning(_Classifier(target), print_summary=False), loader)
         assert trainer.global_step == 2, target
 
@@ -180,7 +172,9 @@ def test_functional_uniform_with_from_above_to_is_refused_as_torch() -> None:
         torch.ops.aten.uniform(torch.empty(3), 0.5, -0.5)  # plain torch
     loader = DataLoader(TensorDataset(*_rows(torch.int64)), batch_size=8)
     with pytest.raises(TorchModelError) as info:
-        _trainer().fit(JaxModule.from_lightning(_Noisy(0.5, -0.5), print_summary=False), loader)
+        quiet_trainer(max_steps=2).fit(
+            JaxModule.from_lightning(_Noisy(0.5, -0.5), print_summary=False), loader
+        )
     message = str(info.value)
     assert "aten.uniform(from=0.5, to=-0.5)" in message, message
     assert "training_step" in message or "_Noisy" in message, message
@@ -200,6 +194,6 @@ def test_functional_uniform_with_from_above_to_is_refused_as_torch() -> None:
     second = np.asarray(jax.jit(draw, static_argnums=1)(jnp.zeros(4096), 1))
     assert first.dtype == np.float32 and first.min() >= -0.5 and first.max() < 0.25
     assert abs(first.mean() - (-0.125)) < 0.01 and not np.array_equal(first, second)
-    trainer = _trainer()
+    trainer = quiet_trainer(max_steps=2)
     trainer.fit(JaxModule.from_lightning(_Noisy(-0.1, 0.1), print_summary=False), loader)
     assert trainer.global_step == 2
