@@ -224,3 +224,29 @@ def test_from_lightning_is_a_jax_module_with_an_adapter_no_port_class():
         if m == package or m.startswith(package + ".")
     }
     assert not {m: d for m, d in wrong.items() if d}, wrong
+
+
+def test_jax_module_is_one_class_over_lightning_module_no_mixins():
+    """``JaxModule`` holds its Lightning hooks itself, each handing over to its adapter or to a
+    function of the module (issue #37: no mixin stack, no shared attribute bag): its MRO holds
+    one coreshell class, and every module under ``torchshell/module`` defines at most it."""
+    import inspect
+
+    import lightning as L
+
+    import torchshell.module as package
+    from torchshell.module import JaxModule
+
+    ours = [c for c in JaxModule.__mro__ if c.__module__.startswith("torchshell")]
+    assert ours == [JaxModule]
+    assert JaxModule.__bases__ == (L.LightningModule,)
+    subclasses = [
+        (name, cls.__name__)
+        for name, mod in inspect.getmembers(package, inspect.ismodule)
+        for cls in vars(mod).values()
+        if isinstance(cls, type)
+        and issubclass(cls, L.LightningModule)
+        and cls.__module__ == mod.__name__
+        and cls is not JaxModule
+    ]
+    assert not subclasses, subclasses

@@ -30,6 +30,7 @@ against) and :meth:`~Adapter.state_dict` (the trained weights handed back as a t
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,17 +45,20 @@ from torchshell.adapters._batches import (
     check_fields,
     host_fields_out,
     name_batch,
+    positional_keys,
     rows,
     signature,
 )
 from torchshell.adapters._checkpoint import CheckpointLayout
 from torchshell.adapters._eval import EvalHooks
 from torchshell.adapters._flax_checks import check_batch
+from torchshell.adapters._form import BatchForm
 from torchshell.adapters._hooks import ModuleHooks
 from torchshell.adapters._logs import TrainLogs
 from torchshell.adapters._optim import OptaxOptimizer
 from torchshell.adapters._placement import Placement
 from torchshell.adapters._steps import TrainSteps
+from torchshell.optim import map_configure_optimizers
 from torchshell.trace._loss import (
     is_torch_loss,
     torch_function_loss,
@@ -213,6 +217,7 @@ class Adapter:
         self.placement = placement
         self.batch_keys = tuple(batch_keys)
         self.fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # the plan's
+        self.form: BatchForm | None = None  # the run's batches' form, learned (``prepare``)
         self.optim = OptaxOptimizer()  # (the method groups: see above)
         self.checkpoint = CheckpointLayout()
         self.logs = TrainLogs()
@@ -223,10 +228,14 @@ class Adapter:
     # -- per batch ------------------------------------------------------------------------
     def prepare(self, batch: Any) -> Any:
         """The batch as the model reads it: named fields (numpy arrays and lists of numbers as
-        tensors), host-only fields set aside."""
+        tensors), host-only fields set aside; a batch of the run's learned form only named."""
+        if self.form is not None and (named := self.form.named(batch)) is not None:
+            return named
         named = arrays_as_tensors(name_batch(batch, self.batch_keys))  # numpy, lists of numbers
         check_batch(self, named)  # negative lengths, misfit masks: refused like torch
-        return host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
+        prepared = host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
+        self.form = BatchForm.learn(batch, prepared, self.batch_keys)
+        return prepared
 
     def global_rows(self, batch: Any) -> int:
         """Rows one step sees: the batch's, rounded up to the data axis."""
@@ -356,3 +365,25 @@ class TorchAdapter(Adapter):
 
         assert self.torch_module is not None
         return params_to_state_dict(state.params, state.model_state, self.torch_module)
+
+    @staticmethod
+    def arguments(
+        module: torch.nn.Module, optimizer: Any, inputs: Sequence[str | int], kwargs: dict
+    ) -> tuple[jaxcore.ModelFns, Any, list[str], Any]:
+        """``JaxModule.from_torch``'s ``(model_fns, optax optimizer, input names, adapter
+        factory)``; ``kwargs`` (the module's options) gets the ``batch_keys`` of a tuple batch
+        named by positions."""
+        from torchshell.torch_model import torch_model_fns
+
+        if isinstance(optimizer, torch.optim.Optimizer):  # torch's update math, its groups
+            trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+            optimizer = map_configure_optimizers(
+                optimizer, trainable, steps_per_epoch=None, total_steps=1
+            ).tx
+        positions = [i for i in inputs if isinstance(i, int)]
+        if "batch_keys" not in kwargs and len(positions) == len(inputs):
+            kwargs["batch_keys"] = positional_keys(positions)  # (ids, mask, label): (0, 1)
+        keys = tuple(kwargs.get("batch_keys", ("x", "y")))
+        names = [keys[i] if isinstance(i, int) else i for i in inputs]
+        factory = functools.partial(TorchAdapter, batch_keys=keys, torch_module=module)
+        return torch_model_fns(module, names), optimizer, names, factory

@@ -15,7 +15,7 @@ class CheckpointLayout:
 
     The protocol the module's hooks call, each method given the
     :class:`~torchshell.module.JaxModule`. The JAX state and the RNG are written and read by
-    the module itself (:class:`CheckpointPart`), whatever the adapter; a group adds the
+    the module itself (:mod:`torchshell.module._checkpoint`), whatever the adapter; a group adds the
     user's own layout (``LightningAdapter``'s: :mod:`torchshell.port._ckpt_part`). This one
     adds nothing.
 

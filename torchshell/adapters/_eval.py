@@ -4,12 +4,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.trainer.states import TrainerFn
+
 import bridge
 import jaxcore
 from jaxcore.guard import raise_failed
 from torchshell.adapters._batches import rows
 
-__all__ = ["EvalHooks"]
+__all__ = ["EvalHooks", "eval_loader"]
+
+
+def eval_loader(trainer: Any, dataloader_idx: int | None) -> Any:
+    """The DataLoader of the running validation/test pass that ``dataloader_idx`` names
+    (Lightning's order of the flattened loaders), or ``None`` without a Trainer."""
+    if trainer is None:
+        return None
+    fn = trainer.state.fn  # (the stage says "validating" inside fit too)
+    if fn == TrainerFn.TESTING:
+        loop = trainer.test_loop
+    elif fn == TrainerFn.VALIDATING:
+        loop = trainer.validate_loop
+    else:  # validation inside fit, the sanity check included
+        loop = trainer.fit_loop.epoch_loop.val_loop
+    combined = loop._combined_loader
+    if combined is None:
+        return None
+    loaders = combined.flattened
+    idx = dataloader_idx or 0
+    return loaders[idx] if idx < len(loaders) else None
 
 
 class EvalHooks:
@@ -55,7 +77,7 @@ class EvalHooks:
         ev, adapter = module.evaluation, module.adapter
         batch = adapter.prepare(batch)
         batch = ev.unrepeated(
-            batch, batch_idx, dataloader_idx, lambda: module._eval_loader(dataloader_idx)
+            batch, batch_idx, dataloader_idx, lambda: eval_loader(module._trainer, dataloader_idx)
         )
         state = module.init_state(batch)
         if ev.step is None:

@@ -5,10 +5,10 @@ copy to the host starts, and the previous logging step's values (long computed) 
 So fetching never waits for the device. The last ones are logged at the end of training.
 
 Each logging step's values are logged at the step and epoch they were computed in (Lightning's
-logger step for them, see :meth:`TrainLogPart._log_step`), however late they are fetched.
+logger step for them, see :meth:`TrainSteps.log_step`), however late they are fetched.
 coreshell's own figures (throughput here, compile and transfer statistics in
-:class:`~torchshell.module._train_parts.TrainLogPart`) are named under :data:`OWN` (``coreshell/``),
-so they never shadow a name the user logs.
+:mod:`torchshell.module._logging`) are named under :data:`OWN` (``coreshell/``), so they
+never shadow a name the user logs.
 
 What is logged and under which names is the adapter's (``Adapter.logs``): :class:`TrainLogs`
 for the Flax and torch paths, ``LightningLogs`` (:mod:`torchshell.port._user`) for a ported

@@ -9,7 +9,31 @@ import optax
 from torchshell._errors import ConfigError
 from torchshell.adapters._clip import torch_clip
 
-__all__ = ["OptaxOptimizer"]
+__all__ = ["OptaxOptimizer", "optax_options"]
+
+
+def optax_options(optimizer: Any, accum_steps: int) -> optax.GradientTransformation | None:
+    """``JaxModule``'s ``optimizer`` (an optax transform, or None for the adapter's own) and
+    ``accum_steps`` (micro-batches per optimizer step), checked.
+
+    Raises:
+        ConfigError: a torch optimizer (``from_torch``/``from_lightning`` map those), or
+            ``accum_steps < 1``.
+    """
+    import torch
+
+    if accum_steps < 1:
+        raise ConfigError(
+            f"accum_steps must be >= 1, got {accum_steps}. Fix: use 1 to turn it off."
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "
+            "the torch module's own parameters. Fix: JaxModule.from_torch(module, loss, "
+            "optimizer) or from_lightning, or an optax transform here "
+            "(jaxcore.make_optimizer('adamw', lr=...))."
+        )
+    return optimizer  # type: ignore[no-any-return]
 
 
 class OptaxOptimizer:

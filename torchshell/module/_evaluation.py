@@ -1,4 +1,4 @@
-"""JaxModule's evaluation part: exact masked validation/test means, and prediction.
+"""A :class:`~torchshell.module.JaxModule`'s evaluation: exact masked validation/test means.
 
 Across JAX processes each evaluation step is one collective over the global batch: every
 process hands over its own rows (its share of a loader that a ``DistributedSampler`` splits,
@@ -14,20 +14,21 @@ What Lightning's ``validation_step``/``test_step``/``predict_step`` run is the a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 
 import jaxcore
 from jaxcore.guard import first_failed, raise_failed
 from torchshell.adapters._batches import rows
 from torchshell.data._sampler import real_rows, shard_sampler
-from torchshell.module._parts import _Shared
 
-__all__ = ["Evaluation", "EvaluationPart"]
+if TYPE_CHECKING:
+    from torchshell.module._jax_module import JaxModule
+
+__all__ = ["Evaluation", "eval_epoch_end"]
 
 
 class Evaluation:
@@ -95,59 +96,14 @@ class Evaluation:
         return {**batch, "mask": keep}
 
 
-def eval_loader(trainer: Any, dataloader_idx: int | None) -> Any:
-    """The DataLoader of the running validation/test pass that ``dataloader_idx`` names
-    (Lightning's order of the flattened loaders), or ``None`` without a Trainer."""
-    if trainer is None:
-        return None
-    fn = trainer.state.fn  # (the stage says "validating" inside fit too)
-    if fn == TrainerFn.TESTING:
-        loop = trainer.test_loop
-    elif fn == TrainerFn.VALIDATING:
-        loop = trainer.validate_loop
-    else:  # validation inside fit, the sanity check included
-        loop = trainer.fit_loop.epoch_loop.val_loop
-    combined = loop._combined_loader
-    if combined is None:
-        return None
-    loaders = combined.flattened
-    idx = dataloader_idx or 0
-    return loaders[idx] if idx < len(loaders) else None
-
-
-class EvaluationPart(_Shared):
-    """The Lightning hooks of evaluation and prediction: each runs the adapter's
-    (``adapter.evaluation``, :class:`EvalHooks` by default); the epoch means of the module's
-    :class:`Evaluation` are logged at the epoch's end."""
-
-    def _eval_loader(self, dataloader_idx: int | None) -> Any:
-        return eval_loader(self._trainer, dataloader_idx)
-
-    def _eval_epoch_end(self, prefix: str) -> None:
-        """Exact epoch means per loader: ``val/loss``, or with several loaders Lightning's
-        ``val/loss/dataloader_idx_N``."""
-        where = f"in a {'validation' if prefix == 'val' else prefix} batch"
-        for idx, means in self.evaluation.epoch_means(where).items():
-            suffix = "" if idx is None else f"/dataloader_idx_{idx}"
-            self.log_dict(
-                {f"{prefix}/{k}{suffix}": v for k, v in means.items()},
-                prog_bar=prefix == "val",
-                add_dataloader_idx=False,  # (named here: epoch-end hooks have no loader)
-            )
-
-    # ``dataloader_idx``: passed by Lightning with several loaders only (a port's user hook
-    # then takes it too, as Lightning requires).
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return self.adapter.evaluation.validation_step(self, batch, batch_idx, dataloader_idx)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return self.adapter.evaluation.test_step(self, batch, batch_idx, dataloader_idx)
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
-        return self.adapter.evaluation.predict_step(self, batch, batch_idx, dataloader_idx)
+def eval_epoch_end(module: JaxModule, prefix: str) -> None:
+    """Exact epoch means per loader, logged: ``val/loss``, or with several loaders Lightning's
+    ``val/loss/dataloader_idx_N``."""
+    where = f"in a {'validation' if prefix == 'val' else prefix} batch"
+    for idx, means in module.evaluation.epoch_means(where).items():
+        suffix = "" if idx is None else f"/dataloader_idx_{idx}"
+        module.log_dict(
+            {f"{prefix}/{k}{suffix}": v for k, v in means.items()},
+            prog_bar=prefix == "val",
+            add_dataloader_idx=False,  # (named here: epoch-end hooks have no loader)
+        )

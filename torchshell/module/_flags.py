@@ -24,7 +24,7 @@ from typing import Any
 
 from torchshell._errors import ConfigError
 
-__all__ = ["TrainerFlags", "adopt_flags", "restore_flags"]
+__all__ = ["TrainerFlags", "adopt_flags", "attached", "restore_flags"]
 
 _BF16 = ("bf16-mixed", "bf16-true", "bf16")
 _FP32 = ("32-true", "32", 32)
@@ -160,3 +160,34 @@ def restore_flags(trainer: Any, originals: dict[str, Any]) -> None:
     """Puts back the Trainer attributes :func:`adopt_flags` changed."""
     for name, value in originals.items():
         setattr(trainer, name, value)
+
+
+def attached(module: Any, trainer: Any) -> None:
+    """The module attached to ``trainer`` (once per run): its flags carried out by the JAX
+    step (the compiled steps rebuilt when they change), the Trainer given neutral ones until
+    the run's end (``module.run_scope``), then the adapter's hooks told.
+
+    Raises:
+        ConfigError: the Trainer's precision disagrees with the module's ``compute_dtype``,
+            or ``gradient_clip_val`` changed after the optimizer state was built.
+    """
+    flags, module.run_scope.originals = adopt_flags(trainer)
+    if flags.compute_dtype is not None and module.compute_dtype not in (
+        None,
+        flags.compute_dtype,
+    ):
+        raise ConfigError(
+            f"Trainer(precision=...) asks for {flags.compute_dtype} compute but the "
+            f"module was built with compute_dtype={module.compute_dtype!r}. Fix: set one "
+            "of the two."
+        )
+    if flags != module.flags:
+        module.compiled.drop()
+        module.evaluation.step = module.evaluation.predict_step = None
+    if module.flags.clip_val != flags.clip_val and module.state is not None:
+        raise ConfigError(
+            "gradient_clip_val changed after the optimizer state was built. Fix: use "
+            "the same Trainer flags for every fit of one module."
+        )
+    module.flags = flags
+    module.adapter.hooks.trainer_attached(module, trainer)  # (the val loader matched)

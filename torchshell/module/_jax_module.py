@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,37 +15,30 @@ import torch
 from flax import nnx
 from jax.sharding import Mesh
 
+import bridge
 import jaxcore
 from jaxcore import ModelFns, TrainState
 from torchshell._errors import ConfigError
 from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 from torchshell.adapters._base import input_names, model_functions, step_loss
-from torchshell.adapters._batches import float_fields, positional_keys
 from torchshell.adapters._logs import TrainLog
+from torchshell.adapters._optim import optax_options
+from torchshell.module import _checkpoint, _training
 from torchshell.module._accumulation import Accumulation
-from torchshell.module._checkpoint import CheckpointPart, Held
+from torchshell.module._checkpoint import Held
 from torchshell.module._compiled import Compiled
-from torchshell.module._evaluation import Evaluation, EvaluationPart
-from torchshell.module._flags import TrainerFlags
-from torchshell.module._parts import TrainerFlagsPart
+from torchshell.module._evaluation import Evaluation, eval_epoch_end
+from torchshell.module._flags import TrainerFlags, attached
+from torchshell.module._logging import check_finite, emit, log_values, outputs_wanted
 from torchshell.module._run_scope import RunScope
-from torchshell.module._train_parts import StepPart, TrainLogPart
 from torchshell.module._windows import Windows, resolve_steps_per_call
-from torchshell.optim import map_configure_optimizers
 from torchshell.port import LightningAdapter, LightningPort
-from torchshell.summary import param_summary
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Mapping[str, torch.Tensor]
 
 
-class JaxModule(
-    StepPart,
-    TrainLogPart,
-    TrainerFlagsPart,
-    EvaluationPart,
-    CheckpointPart,
-):
+class JaxModule(L.LightningModule):
     """Runs jaxcore train/eval/predict steps inside the real ``lightning.Trainer``.
 
     Lightning drives the loop (epochs, validation cadence, callbacks, loggers); each batch
@@ -124,10 +116,6 @@ class JaxModule(
     ) -> None:
         super().__init__()
         steps_per_call, auto = resolve_steps_per_call(steps_per_call)
-        if accum_steps < 1:
-            raise ConfigError(
-                f"accum_steps must be >= 1, got {accum_steps}. Fix: use 1 to turn it off."
-            )
         self.windows = Windows(auto)  # K batches per call (see module._windows)
         self.evaluation = Evaluation()  # its steps and epoch sums (module._evaluation)
         self._last_metrics: dict[str, jax.Array] = {}
@@ -136,14 +124,7 @@ class JaxModule(
         names = input_names(inputs, self.batch_keys)
         nnx_model = isinstance(model, nnx.Module)
         self.model_fns = model_functions(model, names)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"optimizer={type(optimizer).__name__}(...): a torch optimizer is mapped onto "
-                "the torch module's own parameters. Fix: JaxModule.from_torch(module, loss, "
-                "optimizer) or from_lightning, or an optax transform here "
-                "(jaxcore.make_optimizer('adamw', lr=...))."
-            )
-        self.tx = optimizer
+        self.tx = optax_options(optimizer, accum_steps)
         self.mesh = mesh if mesh is not None else jaxcore.make_mesh({data_axis: -1})
         self.seed = seed
         self.data_axis = data_axis
@@ -170,7 +151,7 @@ class JaxModule(
         self.held = Held()  # a restore waiting for the state; the state torch_module holds
         self.accumulation = Accumulation()  # Trainer(accumulate_grad_batches=m)'s window
         self._float_fields: list[str] | None = None  # names the input NaN/Inf came in
-        self.train_log = TrainLog(self._emit)
+        self.train_log = TrainLog(functools.partial(emit, self))
         self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
         self.run_scope = RunScope()  # what a run changes (flags, loaders), undone at its end
         self.adapter.hooks.attach(self)  # (the port: the user's hooks and loaders)
@@ -213,20 +194,7 @@ class JaxModule(
             >>> type(jm).__name__
             'JaxModule'
         """
-        from torchshell.torch_model import torch_model_fns
-
-        if isinstance(optimizer, torch.optim.Optimizer):  # torch's update math, its groups
-            trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
-            optimizer = map_configure_optimizers(
-                optimizer, trainable, steps_per_epoch=None, total_steps=1
-            ).tx
-        positions = [i for i in inputs if isinstance(i, int)]
-        if "batch_keys" not in kwargs and len(positions) == len(inputs):
-            kwargs["batch_keys"] = positional_keys(positions)  # (ids, mask, label): (0, 1)
-        keys = tuple(kwargs.get("batch_keys", ("x", "y")))
-        names = [keys[i] if isinstance(i, int) else i for i in inputs]
-        adapter = functools.partial(TorchAdapter, batch_keys=keys, torch_module=module)
-        fns = torch_model_fns(module, names)
+        fns, optimizer, names, adapter = TorchAdapter.arguments(module, optimizer, inputs, kwargs)
         return cls(fns, loss_fn, optimizer, inputs=names, adapter=adapter, **kwargs)
 
     @classmethod
@@ -279,97 +247,146 @@ class JaxModule(
     def batch_size(self, value: Any) -> None:
         self.adapter.hooks.set_attribute(self, "batch_size", value)
 
-    def init_state(self, batch: Any) -> TrainState:
-        """Builds the train state from a sample batch (shapes only) on first use."""
-        if self.state is None:
-            pending, self.compiled.pending = self.compiled.pending or self._start_state(batch), None
-            state = pending.result()
-            self.state = state = self.held.apply(state)
-            self.adapter.planned(batch)
-            self.summary = param_summary(state.params)
-            if self.print_summary and (self._trainer is None or self.trainer.is_global_zero):
-                print(f"JAX params on mesh {dict(self.mesh.shape)}:\n{self.summary}")
-            self.state = self.adapter.checkpoint.restored(self, state)  # (the user's layout)
-        return self.state
+    init_state = _training.init_state  # (the state built from a batch's shapes, once)
 
-    # -- training ------------------------------------------------------------------------
+    # -- training (torchshell.module._training, ._logging) -----------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
-        """Runs the compiled step (or buffers the batch, see :mod:`torchshell.module._windows`).
+        """Runs the compiled step, or buffers the batch for K steps in one call
+        (:func:`~torchshell.module._training.train_batch`)."""
+        return _training.train_batch(self, batch)  # type: ignore[no-any-return]
 
-        Returns ``{"loss": loss}`` (waiting for the step) only when a user callback reads
-        ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the
-        loop never waits for the device.
-        """
-        with self.adapter.steps.counted(self):  # (the port's manual optimization)
-            self.adapter.checkpoint.before_step(self)  # (the port: host code's in-place changes)
-            t0 = time.perf_counter()
-            raw, batch = batch, self.adapter.prepare(batch)
-            if self._float_fields is None:  # (NaN/Inf in them: refused inside the step)
-                self._float_fields = float_fields(batch)
-            m = self.flags.accumulate
-            if m == 1 and self.windows.buffering():
-                metrics = self._buffer_batch(batch)
-                every = max(self.trainer.log_every_n_steps, 1)  # type: ignore[attr-defined]
-                if metrics is not None and self.trainer.global_step % every == 0:
-                    self._queue_log(metrics, self.adapter.global_rows(batch))
-                self.train_log.compute += time.perf_counter() - t0
-                return None  # (windows: no callback reads the outputs, see _outputs_wanted)
-            if m > 1:
-                if self.steps_per_call > 1 or self.accum_steps > 1:
-                    raise ConfigError(
-                        f"accumulate_grad_batches={m} with steps_per_call={self.steps_per_call} "
-                        f"and accum_steps={self.accum_steps}: choose one way to group steps. Fix: "
-                        "keep accumulate_grad_batches and set the other two to 1."
-                    )
-                ahead = self.adapter.hooks.outputs_ahead(
-                    self, batch, len(self.accumulation.batches), raw
-                )
-                window = self._window_batch(batch)
-                if window is None:
-                    self.train_log.compute += time.perf_counter() - t0
-                    return ahead
-                jbatch, one, rows_, micro = window
-                steps = 1
-            else:
-                jbatch, one, rows_ = self.adapter.one_step_view(batch, self.steps_per_call)
-                micro, steps = self.accum_steps, self.steps_per_call
-                ahead = self.adapter.hooks.outputs_ahead(self, batch, 0, raw)
-            if self._state is None and self.compiled.train is None and m == 1:
-                self._compile_beside_init(one, micro, jbatch)
-            self.init_state(one)
-            step_fn = self.adapter.steps.step_for(self, micro, jbatch)
-            before = self.trainer.global_step
-            with self.adapter.checked(one):
-                if self.windows.measuring(self._windowable):
-                    self._state, metrics = self.windows.timed(step_fn, self._state, jbatch)
-                    if (times := self.windows.timings()) is not None:
-                        self._choose_k(times, jbatch, one)
-                else:
-                    self._state, metrics = step_fn(self._state, jbatch)
-            if self.compiled.stats_due and self.compiled.stats is not None:
-                self.compiled.stats_due = False
-                self._log_to_loggers(
-                    {f"compile/{k_}": v for k_, v in self.compiled.stats.as_dict().items()}
-                )
-            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-            for _ in range(steps):
-                progress.increment_ready()
-                progress.increment_completed()
-            self._last_metrics = metrics
-            self.adapter.logs.after_step(self, metrics, rows_ * (micro if m > 1 else 1))
-            self.train_log.compute += time.perf_counter() - t0
-            if self._logging_step(before):
-                self._queue_log(metrics, rows_ * (micro if m > 1 else 1))
-            return ahead if ahead is not None else self._outputs(metrics)
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.train_log.batch_started()
+        self.adapter.steps.align_logger_step(self)
 
-    # -- K batches per call (steps_per_call="auto", see torchshell.module._windows) -----------
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.adapter.hooks.train_batch_end(self)  # (the port: LearningRateMonitor's lr)
+        self.train_log.batch_ended()
+
+    def on_train_epoch_end(self) -> None:
+        self.accumulation.clear()  # (a window never spans epochs: the last batch closes it)
+        self.adapter.logs.train_epoch_end(self)  # (the port's epoch means)
+
+    def on_train_end(self) -> None:
+        self.train_log.finish()
+        self.adapter.logs.last_step_values(self)  # (callback_metrics: the last step's)
+        check_finite(self)
+
     @property
     def state(self) -> TrainState | None:
-        """The JAX train state; batches still buffered for a window run first."""
+        """The JAX train state; batches still buffered for a window run first (the state is
+        current wherever it is read: validation, a checkpoint, a callback, after ``fit``)."""
         if self.windows.buffer:
-            self._run_window()
+            _training.run_window(self)
         return self._state
 
     @state.setter
     def state(self, value: TrainState | None) -> None:
         self._state = value
+
+    @property
+    def window_k(self) -> int | None:
+        """K chosen by ``steps_per_call="auto"`` (``None`` while measuring; 1 when off)."""
+        return self.windows.k
+
+    # -- evaluation (torchshell.module._evaluation; what runs is adapter.evaluation's) -------
+    # ``dataloader_idx``: passed by Lightning with several loaders only (a port's user hook
+    # then takes it too, as Lightning requires).
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return self.adapter.evaluation.validation_step(self, batch, batch_idx, dataloader_idx)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return self.adapter.evaluation.test_step(self, batch, batch_idx, dataloader_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        return self.adapter.evaluation.predict_step(self, batch, batch_idx, dataloader_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        eval_epoch_end(self, "val")
+
+    def on_test_epoch_end(self) -> None:
+        eval_epoch_end(self, "test")
+
+    # -- the run: the Trainer's flags, its loaders, the optimizer (module._flags, _run_scope) -
+    @property  # type: ignore[override]
+    def trainer(self) -> L.Trainer:
+        return L.LightningModule.trainer.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @trainer.setter
+    def trainer(self, trainer: L.Trainer | None) -> None:
+        L.LightningModule.trainer.fset(self, trainer)  # type: ignore[attr-defined]
+        if trainer is not None and self.run_scope.originals is None:
+            attached(self, trainer)
+
+    def setup(self, stage: str) -> None:
+        self.run_scope.open()  # (undone in teardown)
+        self.adapter.hooks.setup(self, stage)  # (the port: the user's own setup)
+
+    def teardown(self, stage: str) -> None:
+        self.adapter.hooks.teardown(self, stage)
+        self.run_scope.close(self._trainer)
+
+    def on_train_start(self) -> None:
+        self.run_scope.started(self.trainer.train_dataloader)
+        self.adapter.optim.on_train_start(self)
+
+    def on_validation_start(self) -> None:
+        self.run_scope.started(self.trainer.val_dataloaders)
+
+    def on_test_start(self) -> None:
+        self.run_scope.started(self.trainer.test_dataloaders)
+
+    def on_predict_start(self) -> None:
+        self.run_scope.started(self.trainer.predict_dataloaders)
+
+    def configure_optimizers(self) -> Any:
+        """What the adapter's optimizer group hands Lightning (:class:`OptaxOptimizer`)."""
+        return self.adapter.optim.configure_optimizers(self)
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optax transform the step applies (the adapter's optimizer group's)."""
+        return self.adapter.optim.optimizer(self)  # type: ignore[no-any-return]
+
+    # -- checkpoints and the trained weights (torchshell.module._checkpoint) ---------------
+    on_fit_start = _checkpoint.fit_start  # (a new fit: a new optimizer state)
+    on_fit_end = _checkpoint.fit_end  # (the user's torch module holds the trained weights)
+    on_save_checkpoint = _checkpoint.save
+    on_load_checkpoint = _checkpoint.load
+    restore_from = _checkpoint.restore_from
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """The checkpoint's ``state_dict``, as the adapter's checkpoint group reads it."""
+        return self.adapter.checkpoint.load_state_dict(self, state_dict, strict, assign)
+
+    def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
+
+        For a Flax model the params and model state (e.g. ``batch_stats``; an NNX module's
+        ``BatchStat`` variables) go through :func:`bridge.export_state_dict`; for
+        :meth:`from_torch` modules they already are one.
+        """
+        if self.state is None:
+            raise ConfigError("No trained state yet: run trainer.fit first.")
+        return self.adapter.state_dict(self.state, twin)
+
+    @property
+    def torch_module(self) -> torch.nn.Module | None:
+        """The user's ``nn.Module`` (``from_torch``, ``from_lightning``), else ``None``."""
+        return self.adapter.torch_module
+
+    @property
+    def transfer_stats(self) -> bridge.TransferStats:
+        """Hand-over counts: bytes and copies of the batches given to JAX."""
+        return self.placement.stats
+
+    # -- what the adapter groups call back --------------------------------------------------
+    @property
+    def _compute_dtype(self) -> str | None:
+        return self.compute_dtype or self.flags.compute_dtype
+
+    _log_values = log_values
+    _outputs_wanted = outputs_wanted
+    _step_forward = _training.step_forward
+    _sync_user_weights = _checkpoint.sync_user_weights

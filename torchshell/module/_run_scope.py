@@ -47,6 +47,12 @@ class RunScope:
         self._quiet.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=_AFTER_STEP_WARNING, category=UserWarning)
 
+    def started(self, loaders: Any) -> None:
+        """A loop's loaders, before their workers start: forking ones warned about, plain
+        ``TensorDataset`` ones read by gathers."""
+        self.check_workers(loaders)
+        self.read_by_gathers(loaders)
+
     def read_by_gathers(self, loaders: Any) -> None:
         """Plain ``TensorDataset`` loaders gather their batches while this run lasts (the same
         batches, ~5x faster to build: :mod:`torchshell.data._gathered`)."""

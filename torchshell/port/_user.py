@@ -30,7 +30,7 @@ from jaxcore.guard import NO_CHECK, raise_failed
 from jaxcore.precision import cast_floating, resolve_dtype
 from torchshell._errors import ConfigError
 from torchshell.adapters._batches import host_fields_back, host_fields_out
-from torchshell.adapters._eval import EvalHooks
+from torchshell.adapters._eval import EvalHooks, eval_loader
 from torchshell.adapters._logs import OWN, TrainLogs
 from torchshell.port._logs import (
     APPENDED_KEY,
@@ -289,7 +289,7 @@ class LightningEvaluation(EvalHooks):
         a batch of repeats only is not evaluated)."""
         adapter = module.adapter
         if batch_idx >= 0:
-            loader = module._eval_loader(dataloader_idx)
+            loader = eval_loader(module._trainer, dataloader_idx)
             batch = self.repeats.real_part(
                 loader, batch, adapter.global_rows(batch), batch_idx, dataloader_idx
             )

@@ -1,0 +1,64 @@
+"""The form of a run's batches, learned from one batch: later batches of that form pass
+:meth:`Adapter.prepare <torchshell.adapters.Adapter.prepare>` after one structural check.
+
+A DataLoader yields batches of one form for a whole run: the same container (a dict with the
+same keys, or a list/tuple of the same length) holding tensors. When a batch of that form
+needed nothing from the full preparation (no field named, no numpy array or list converted,
+no host-only field, no lengths or mask to check), the next batches of the same form are only
+named. Any other batch takes the full path (and its form is learned anew).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchshell.adapters._batches import _all_tensors
+from torchshell.adapters._flax_checks import _checked_fields
+
+__all__ = ["BatchForm"]
+
+
+@dataclass(frozen=True)
+class BatchForm:
+    """A batch's container type, its keys (a dict's) or length (a list/tuple's), and the
+    names of a list/tuple's positions.
+
+    Example:
+        >>> import torch
+        >>> batch = (torch.ones(2, 3), torch.zeros(2))
+        >>> form = BatchForm.learn(batch, {"x": batch[0], "y": batch[1]}, ("x", "y"))
+        >>> sorted(form.named(batch))
+        ['x', 'y']
+        >>> form.named([batch[0]]) is None  # another form: the full path
+        True
+    """
+
+    kind: type
+    keys: Any  # a dict's keys, or the number of a list/tuple's positions
+    names: tuple[str, ...] | None  # a list/tuple's positions' names
+
+    @classmethod
+    def learn(cls, batch: Any, prepared: Any, batch_keys: Sequence[str]) -> BatchForm | None:
+        """The form of ``batch`` when its preparation (``prepared``) only named its tensors,
+        else ``None``."""
+        kind = type(batch)
+        if not isinstance(prepared, dict) or not _all_tensors(prepared):
+            return None
+        if any(_checked_fields(tuple(prepared))):  # lengths and masks: checked per batch
+            return None
+        if kind is dict and prepared is batch:
+            return cls(dict, frozenset(batch), None)
+        if kind in (list, tuple) and _all_tensors(batch) and len(batch) <= len(batch_keys):
+            return cls(kind, len(batch), tuple(batch_keys[: len(batch)]))
+        return None
+
+    def named(self, batch: Any) -> dict[str, Any] | None:
+        """``batch`` named, when it has this form and holds only tensors; else ``None``."""
+        if type(batch) is not self.kind or not _all_tensors(batch):
+            return None
+        fields: Any = batch
+        if self.names is None:
+            return fields if fields.keys() == self.keys else None
+        return dict(zip(self.names, fields, strict=True)) if len(fields) == self.keys else None

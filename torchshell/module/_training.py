@@ -1,0 +1,244 @@
+"""A :class:`~torchshell.module.JaxModule` training step: from Lightning's batch to the jitted
+call, as functions of the module (its ``training_step`` is :func:`train_batch`).
+
+The paths a batch takes (docs/architecture.md walks them):
+
+- **windows** (``steps_per_call="auto"`` once K > 1 is chosen, :mod:`._windows`): the batch is
+  kept and every K batches run in one call (:func:`buffer_batch`, :func:`run_window`);
+- **accumulation** (``Trainer(accumulate_grad_batches=m)``, :mod:`._accumulation`): m batches
+  stacked into one optimizer step (:func:`window_batch`);
+- **one step per call** otherwise (the first steps too, three of them timed to choose K).
+
+The first batch compiles the train step beside the state's init (:func:`compile_beside_init`).
+Which step function, and how its optimizer steps count, is the adapter's (``adapter.steps``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+import jaxcore
+from torchshell._errors import ConfigError
+from torchshell.adapters._batches import float_fields
+from torchshell.module._logging import log_to_loggers, outputs, outputs_wanted, queue_log
+from torchshell.summary import param_summary
+
+if TYPE_CHECKING:
+    from torchshell.module._jax_module import JaxModule
+
+__all__ = ["buffer_batch", "run_window", "step_forward", "train_batch"]
+
+
+def train_batch(module: JaxModule, batch: Any) -> Any:
+    """``training_step``: runs the compiled step on ``batch``, or buffers it for a window.
+
+    Returns ``{"loss": loss}`` (waiting for the step) only when a user callback reads
+    ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the
+    loop never waits for the device.
+    """
+    adapter = module.adapter
+    with adapter.steps.counted(module):  # (the port's manual optimization)
+        adapter.checkpoint.before_step(module)  # (the port: host code's in-place changes)
+        t0 = time.perf_counter()
+        raw, batch = batch, adapter.prepare(batch)
+        if module._float_fields is None:  # (NaN/Inf in them: refused inside the step)
+            module._float_fields = float_fields(batch)
+        m = module.flags.accumulate
+        if m == 1 and module.windows.buffering():
+            metrics = buffer_batch(module, batch)
+            trainer = module._trainer
+            every = max(trainer.log_every_n_steps, 1)  # type: ignore[union-attr]
+            if metrics is not None and trainer.global_step % every == 0:  # type: ignore[union-attr]
+                queue_log(module, metrics, adapter.global_rows(batch))
+            module.train_log.compute += time.perf_counter() - t0
+            return None  # (windows: no callback reads the outputs, see outputs_wanted)
+        if m > 1:
+            if module.steps_per_call > 1 or module.accum_steps > 1:
+                raise ConfigError(
+                    f"accumulate_grad_batches={m} with steps_per_call={module.steps_per_call} "
+                    f"and accum_steps={module.accum_steps}: choose one way to group steps. Fix: "
+                    "keep accumulate_grad_batches and set the other two to 1."
+                )
+            ahead = adapter.hooks.outputs_ahead(
+                module, batch, len(module.accumulation.batches), raw
+            )
+            window = window_batch(module, batch)
+            if window is None:
+                module.train_log.compute += time.perf_counter() - t0
+                return ahead
+            jbatch, one, rows_, micro = window
+            steps = 1
+        else:
+            jbatch, one, rows_ = adapter.one_step_view(batch, module.steps_per_call)
+            micro, steps = module.accum_steps, module.steps_per_call
+            ahead = adapter.hooks.outputs_ahead(module, batch, 0, raw)
+        if module._state is None and module.compiled.train is None and m == 1:
+            compile_beside_init(module, one, micro, jbatch)
+        module.init_state(one)
+        before = module.trainer.global_step
+        metrics = _run_step(module, adapter.steps.step_for(module, micro, jbatch), jbatch, one)
+        _count_steps(module, steps)
+        rows_ *= micro if m > 1 else 1
+        adapter.logs.after_step(module, metrics, rows_)
+        module.train_log.compute += time.perf_counter() - t0
+        if adapter.steps.logging_step(module, before):
+            queue_log(module, metrics, rows_)
+        return ahead if ahead is not None else outputs(module, metrics)
+
+
+def _run_step(module: JaxModule, step_fn: jaxcore.Step, jbatch: Any, one: Any) -> Any:
+    """One call of the step (timed while K is measured); the compile statistics logged once."""
+    with module.adapter.checked(one):
+        if module.windows.measuring(lambda: windowable(module)):
+            module._state, metrics = module.windows.timed(step_fn, module._state, jbatch)
+            if (times := module.windows.timings()) is not None:
+                _choose_k(module, times, jbatch, one)
+        else:
+            module._state, metrics = step_fn(module._state, jbatch)
+    compiled = module.compiled
+    if compiled.stats_due and compiled.stats is not None:
+        compiled.stats_due = False
+        log_to_loggers(module, {f"compile/{k}": v for k, v in compiled.stats.as_dict().items()})
+    module._last_metrics = metrics
+    return metrics
+
+
+def _count_steps(module: JaxModule, steps: int) -> None:
+    """Lightning's optimizer-step progress (``global_step``) advanced by ``steps``."""
+    progress = module._trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress  # type: ignore[union-attr]
+    for _ in range(steps):
+        progress.increment_ready()
+        progress.increment_completed()
+
+
+# -- K batches per call (steps_per_call="auto", see torchshell.module._windows) ---------------
+def buffer_batch(module: JaxModule, batch: Any) -> dict[str, jax.Array] | None:
+    """Keeps the batch; runs the window (its last step's metrics) when one is due."""
+    _count_steps(module, 1)
+    trainer = module._trainer
+    every = max(int(trainer.log_every_n_steps), 1)  # type: ignore[union-attr]
+    if module.windows.take(batch, trainer.global_step, every):  # type: ignore[union-attr]
+        return run_window(module)
+    return None
+
+
+def run_window(module: JaxModule) -> dict[str, jax.Array]:
+    """Runs the buffered batches: K in one call, or one per call for a short window."""
+    module._state, metrics = module.windows.run(
+        module._state,
+        module.placement,
+        lambda k: _window_step(module, k),
+        lambda state, batch: _one_step(module, state, batch),
+    )
+    module._last_metrics = metrics
+    return metrics
+
+
+def _window_step(module: JaxModule, k: int) -> jaxcore.Step:
+    """The K-step program of ``steps_per_call="auto"`` windows."""
+    assert module._state is not None
+    return jaxcore.make_train_step(
+        module.model_fns,
+        module.loss_fn,
+        module.optimizer(),
+        state_sharding=jaxcore.state_shardings(module._state),
+        steps_per_call=k,
+        compute_dtype=module._compute_dtype,
+        nan_policy=module.nan_policy,
+    )
+
+
+def _one_step(module: JaxModule, state: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
+    """One step of a window cut short (K=1 math, one call per batch)."""
+    jbatch, one, _ = module.adapter.one_step_view(batch, 1)
+    assert module.compiled.train is not None
+    with module.adapter.checked(one):
+        return module.compiled.train(state, jbatch)  # type: ignore[no-any-return]
+
+
+def windowable(module: JaxModule) -> bool:
+    """Whether this run can buffer batches (else K=1, nothing measured)."""
+    return (
+        module.adapter.supports_windows
+        and module.flags.accumulate == 1
+        and module.accum_steps == 1
+        and jax.process_count() == 1
+        and not outputs_wanted(module)  # a callback reads each step's loss
+    )
+
+
+def _choose_k(module: JaxModule, times: tuple[float, float], jbatch: Any, batch: Any) -> None:
+    every = max(int(module.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
+    flops = getattr(module.compiled.stats, "flops_per_step", None)
+    can = not module.adapter.reads_values(jbatch) and "mask" not in batch
+    module.windows.k = k = module.windows.choose(*times, every, flops) if can else 1
+    log_to_loggers(module, {"compile/steps_per_call": float(k)})
+
+
+# -- accumulate_grad_batches windows (see torchshell.module._accumulation) --------------------
+def window_batch(module: JaxModule, batch: Any) -> tuple[Any, Any, int, int] | None:
+    """Collects ``accumulate_grad_batches`` batches; the stacked window when complete."""
+    m = module.flags.accumulate
+    last = module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    window = module.accumulation.take(batch, m, last, module.adapter.global_rows)
+    if window is None:
+        return None
+    rows_ = module.accumulation.micro_rows[0]
+    return module.adapter.stack(window, m), window[0], rows_, len(window)
+
+
+# -- the first batch ------------------------------------------------------------------------
+def compile_beside_init(module: JaxModule, one: Any, micro: int, jbatch: Any) -> None:
+    """The first batch: the state's init program compiles in the background while the
+    train step is traced and compiled on the state's shapes (``jaxcore.PendingState``);
+    with a warm compile cache the two executables load side by side."""
+    module.compiled.pending = start_state(module, one)
+    module.adapter.steps.compile_train_step(module, micro, module.compiled.pending.abstract, jbatch)
+
+
+def start_state(module: JaxModule, batch: Any) -> jaxcore.PendingState:
+    """The state's init, compiling (``jaxcore.start_train_state``)."""
+    return jaxcore.start_train_state(
+        module.model_fns,
+        module.optimizer(),
+        module.adapter.sample(batch),
+        seed=module.seed,
+        mesh=module.mesh,
+        param_shardings=module.shard_fn,
+    )
+
+
+def step_forward(module: JaxModule, batch: Any, i: int) -> tuple[Any, jax.Array]:
+    """The next train step's forward pass on ``batch`` (its micro-batch ``i``) alone."""
+    if module.compiled.forward is None:
+        module.compiled.forward = jaxcore.make_train_forward(
+            module.model_fns,
+            module.loss_fn,
+            micro=module.flags.accumulate > 1,
+            compute_dtype=module._compute_dtype,
+            weigh_rows=module.adapter.weigh_rows,
+        )
+    state = module.init_state(batch)
+    forward = module.compiled.forward
+    return forward(state, module.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
+
+
+def init_state(module: JaxModule, batch: Any) -> Any:
+    """The train state, built from a sample batch (shapes only) on first use."""
+    if module.state is None:
+        pending, module.compiled.pending = (
+            module.compiled.pending or start_state(module, batch),
+            None,
+        )
+        state = pending.result()
+        module.state = state = module.held.apply(state)
+        module.adapter.planned(batch)
+        module.summary = param_summary(state.params)
+        if module.print_summary and (module._trainer is None or module.trainer.is_global_zero):
+            print(f"JAX params on mesh {dict(module.mesh.shape)}:\n{module.summary}")
+        module.state = module.adapter.checkpoint.restored(module, state)  # (the user's layout)
+    return module.state
