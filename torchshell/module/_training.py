@@ -227,8 +227,9 @@ def step_forward(module: JaxModule, batch: Any, i: int) -> tuple[Any, jax.Array]
     return forward(state, module.adapter.sample(batch), np.int32(i))  # type: ignore[no-any-return]
 
 
-def init_state(module: JaxModule, batch: Any) -> Any:
-    """The train state, built from a sample batch (shapes only) on first use."""
+def init_state(module: JaxModule, batch: Any) -> jaxcore.TrainState:
+    """The train state, built from a sample batch (shapes only) on first use (restored from
+    what a checkpoint left waiting, and the adapter's own layout)."""
     if module.state is None:
         pending, module.compiled.pending = (
             module.compiled.pending or start_state(module, batch),
@@ -241,4 +242,5 @@ def init_state(module: JaxModule, batch: Any) -> Any:
         if module.print_summary and (module._trainer is None or module.trainer.is_global_zero):
             print(f"JAX params on mesh {dict(module.mesh.shape)}:\n{module.summary}")
         module.state = module.adapter.checkpoint.restored(module, state)  # (the user's layout)
+    assert module.state is not None
     return module.state
