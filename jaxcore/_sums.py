@@ -117,11 +117,22 @@ def _sums(
 def _flat_rows(batch: Batch, stacked: bool, unrolled: bool) -> Batch:
     """A step's batch as one batch of rows: an accumulation window's micro-batches (stacked
     ``[m, B, ...]`` or a sequence) joined, so a bad row is numbered within the window."""
-    if unrolled:
-        return jax.tree.map(lambda *v: jnp.concatenate(v), *batch)
+    if unrolled:  # (micro-batches of other shapes: each field first one value per row)
+        return jax.tree.map(lambda *v: jnp.concatenate([_row_flags(x) for x in v]), *batch)
     if stacked:
         return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), batch)
     return batch
+
+
+def _row_flags(v: jax.Array) -> jax.Array:
+    """One value per row of ``v``: NaN where a floating row holds NaN/Inf, else 0 (the input
+    check's view of the row, whatever the field's trailing shape)."""
+    if not v.ndim:
+        v = v[None]
+    if not jnp.issubdtype(v.dtype, jnp.inexact):
+        return jnp.zeros(v.shape[0], v.dtype)
+    finite = jnp.isfinite(v.reshape(v.shape[0], -1)).all(1)
+    return jnp.where(finite, 0, jnp.nan).astype(v.dtype)
 
 
 def _drop_leading_axes(batch: Batch, n: int) -> Batch:

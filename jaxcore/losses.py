@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcore._errors import BatchError
+from jaxcore.guard import index_check
 
 TOTAL = "total/"
 """A metric named ``total/...`` is a batch-level total of any shape (e.g. a metric's confusion
@@ -62,6 +63,15 @@ def _labels(logits: jax.Array, batch: Mapping[str, jax.Array], key: str) -> jax.
             f"{tuple(logits.shape)} ([B, C]), got shape {tuple(labels.shape)}. "
             f"{fix}"
         )
+    classes = logits.shape[-1]
+    index_check(  # (inside a step: read at the logging cadence, like torch's IndexError)
+        labels,
+        classes,
+        f"The labels ({key!r}) hold {{value}} {{where}}, past the model's {classes} classes "
+        f"(logits [B, {classes}]). torch raises IndexError: Target {{value}} is out of bounds; "
+        f"expected class indices in [0, {classes - 1}]. Fix: map the labels into "
+        f"[0, {classes - 1}] in the Dataset, or give the model's last layer more outputs.",
+    )
     return labels
 
 

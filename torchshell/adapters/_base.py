@@ -42,6 +42,7 @@ import jaxcore
 from torchshell._errors import ConfigError
 from torchshell.adapters._arrays import arrays_as_tensors
 from torchshell.adapters._batches import (
+    MicroBatches,
     check_fields,
     host_fields_out,
     name_batch,
@@ -272,12 +273,16 @@ class Adapter:
         return jbatch, {name: t[: n // k] for name, t in batch.items()}, n // k
 
     def stack(self, batches: list[Any], accumulate: int) -> Any:
-        """The ``accumulate`` batches of one window as ``[m, B, ...]`` (padded to the first
-        one's rows)."""
-        n = self.global_rows(batches[0])
+        """The ``accumulate`` batches of one window as ``[m, B, ...]`` (padded to the most
+        rows); as :class:`MicroBatches` when their per-row shapes differ (bucketed lengths:
+        the step unrolls them, each its own shape)."""
+        n = max(self.global_rows(b) for b in batches)
         padded = [bridge.pad_batch(b, n) for b in batches]
+        p = self.placement
+        if len({str(jax.tree.map(lambda t: tuple(t.shape), b)) for b in padded}) > 1:
+            return MicroBatches(bridge.to_jax(b, p.batch, stats=p.stats) for b in padded)
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)
-        return bridge.to_jax(stacked, self.placement.window, stats=self.placement.stats)
+        return bridge.to_jax(stacked, p.window, stats=p.stats)
 
     def checked(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         """The context one step runs in: a field whose shape or dtype changed is named."""

@@ -4,7 +4,8 @@ A Flax model's ``inputs`` and a JAX loss read batch fields by key. A ``TensorDat
 collates to a list ``[x, y]`` (a tuple or namedtuple from other datasets), so a sequence
 batch is named position by position with ``batch_keys`` (``("x", "y")`` by default, the
 convention the losses use); a namedtuple or a dataclass keeps its field names. Dicts pass
-unchanged (other mappings, e.g. transformers' ``BatchEncoding``, become dicts).
+unchanged (other mappings, e.g. transformers' ``BatchEncoding``, become dicts); one tensor
+(``DataLoader(x)``: prediction, an autoencoder) is the first position, as ``[x]`` would be.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 from flax.errors import FlaxError
@@ -45,7 +47,7 @@ def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, 
 
     Args:
         batch: a mapping, a list/tuple of tensors (``TensorDataset``), a namedtuple or a
-            dataclass (named by its fields).
+            dataclass (named by its fields), or one tensor (named ``batch_keys[0]``).
         batch_keys: names of the positions of a list/tuple batch, in order.
 
     Returns:
@@ -75,6 +77,8 @@ def name_batch(batch: Any, batch_keys: Sequence[str] = ("x", "y")) -> dict[str, 
                 "Dataset returns them (inputs= and the loss read those names)."
             )
         return dict(zip(batch_keys, batch, strict=False))
+    if isinstance(batch, torch.Tensor | np.ndarray) and batch.ndim and batch_keys:
+        return {batch_keys[0]: batch}  # DataLoader(x): its rows, as a TensorDataset(x)'s [x]
     raise BatchError(
         f"Expected a batch collated to a dict, a list/tuple (e.g. from a TensorDataset), a "
         f"namedtuple or a dataclass of tensors, got {type(batch).__name__}. Fix: return "

@@ -11,6 +11,15 @@
   ``[B, T']`` beside ``features`` ``[B, T, F]``): ``jaxcore.BatchError`` naming the field,
   what was expected, what came, and the fix.
 
+- **A field's dtype changing mid-run** (``from_torch``): with x64 off the hand-over gives
+  ``int64`` and ``int32`` (``float64`` and ``float32``) the same JAX dtype, so a batch whose
+  field comes in the other one (``int32`` labels from one branch of a collate, a list of
+  Python floats in place of a float32 tensor) reuses the step traced for the first batch's
+  dtype, where plain torch runs that batch in its own dtype or refuses it (``expected scalar
+  type Long but found Int``, ``mat1 and mat2 must have the same dtype``): ``BatchError``
+  naming the field, both dtypes and the fix (:func:`check_dtypes`). A change JAX sees
+  (``float16``, ``uint8``) compiles a step of its own, whose trace checks it as torch would.
+
 A module reaches these through :func:`check_batch` in its hand-over (``_prepare``).
 """
 
@@ -21,12 +30,21 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import torch
 
 import bridge
 from jaxcore import BatchError
 
-__all__ = ["check_batch", "check_lengths_and_masks"]
+__all__ = ["check_batch", "check_dtypes", "check_lengths_and_masks"]
+
+# host dtype -> the JAX dtype the hand-over gives it under x64 off (others: their own)
+_AS_JAX = {
+    torch.int64: torch.int32,
+    torch.uint64: torch.uint32,
+    torch.float64: torch.float32,
+    torch.complex128: torch.complex64,
+}
 
 _LENGTH = re.compile(r"(^|_)(lengths?|lens?)$")
 
@@ -116,11 +134,53 @@ def _checked_fields(keys: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[str, 
     )
 
 
+def check_dtypes(plan: Mapping[str, tuple[Any, torch.dtype]], batch: Mapping[str, Any]) -> None:
+    """Refuses a field whose host dtype differs from ``plan``'s (the first batch's) where the
+    hand-over hides the difference (see the top: ``int64``/``int32``, ``float64``/``float32``).
+
+    Args:
+        plan: ``{name: (per-row shape, dtype)}`` of the batch the step was built from.
+        batch: the named batch.
+
+    Raises:
+        BatchError: the field, both dtypes and the fix.
+
+    Example:
+        >>> plan = {"y": ((), torch.int64)}
+        >>> check_dtypes(plan, {"y": torch.tensor([1, 2])})
+        >>> check_dtypes(plan, {"y": torch.tensor([1, 2], dtype=torch.int32)})
+        Traceback (most recent call last):
+        ...
+        jaxcore._errors.BatchError: The batch field 'y' is torch.int32 in this batch, but ...
+    """
+    for key, (_, want) in plan.items():
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor) or t.dtype == want:
+            continue
+        seen = _AS_JAX.get(want, want)
+        if _AS_JAX.get(t.dtype, t.dtype) != seen or jax.config.read("jax_enable_x64"):
+            continue  # (JAX sees the change: a step of its own, traced and checked)
+        raise BatchError(
+            f"The batch field {key!r} is {t.dtype} in this batch, but {want} in the batch "
+            f"the step was traced from. JAX runs with x64 off, so both reach the step as "
+            f"{seen}: this batch would silently run the step traced for {want}, where plain "
+            "torch runs it in its own dtype or refuses it (e.g. 'expected scalar type Long but "
+            "found Int' for class targets, 'mat1 and mat2 must have the same dtype' for a "
+            f"layer's input). Expected {want} in every batch. Fix: give the field one dtype "
+            "for the whole run in the Dataset or collate (e.g. .long() on labels, .float() "
+            "on features; a list of Python floats collates to float64)."
+        )
+
+
 def check_batch(module: Any, batch: Any) -> None:
-    """The checks above for a :class:`~torchshell.JaxModule`'s named batch (a dict).
+    """The checks above for a :class:`~torchshell.JaxModule`'s named batch (a dict);
+    ``module``: its adapter (a ``from_torch`` one's plan is checked for dtype changes).
 
     Embedding indices (Flax ``nn.Embed``, torch ``nn.Embedding``) are checked inside the
     compiled step, not here.
     """
     if isinstance(batch, Mapping):
         check_lengths_and_masks(batch)
+        plan = getattr(module, "fields", None)
+        if plan and getattr(module, "torch_module", None) is not None:  # (from_torch)
+            check_dtypes(plan, batch)

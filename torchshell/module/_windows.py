@@ -185,20 +185,22 @@ class Windows:
         one_step: Callable[[Any, dict[str, torch.Tensor]], tuple[Any, dict[str, jax.Array]]],
     ) -> tuple[Any, dict[str, jax.Array]]:
         """Empties the buffer: a full window stacked (``[K, B, ...]``, a ``mask`` of real rows)
-        and run in one call of ``window_step(K)`` (built once), a short one by ``one_step``.
+        and run in one call of ``window_step(K)`` (built once), a short one by ``one_step``,
+        and so is a window whose batches do not stack (bucketed lengths, a field in some
+        batches only, another dtype).
 
         Returns:
             The state after the window and the metrics of its last step.
         """
         batches, self.buffer = self.buffer, []
         k = self.k or 1
-        if len(batches) != k or k == 1:
-            metrics: dict[str, jax.Array] = {}
+        if len(batches) != k or k == 1 or not _one_form(batches):
+            metrics: dict[str, jax.Array] = {}  # (a short window, or batches that differ)
             for b in batches:
                 state, metrics = one_step(state, b)
             return state, metrics
         sizes = [rows(b) for b in batches]
-        n = max(sizes)
+        n = placement.global_rows(max(sizes))  # (rows the data axis divides)
         padded = [
             b if m == n else bridge.pad_batch(b, n) for b, m in zip(batches, sizes, strict=True)
         ]
@@ -225,3 +227,18 @@ def _sizeless(batch: Any) -> Any:
         batch,
         is_leaf=lambda x: isinstance(x, HostOnly),
     )
+
+
+def _form(batch: Any) -> Any:
+    """What must agree for batches to stack: the tree, each field's per-row shape, dtype."""
+    if isinstance(batch, dict) and all(isinstance(v, torch.Tensor) for v in batch.values()):
+        return frozenset((k, v.shape[1:], v.dtype) for k, v in batch.items())  # (the common case)
+    leaves, tree = jax.tree.flatten(_sizeless(batch))
+    return tree, [(t.shape[1:], t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
+def _one_form(batches: list[Any]) -> bool:
+    """Whether the window's batches stack: one tree structure (not a field in some batches
+    only), each field's per-row shape (not bucketed lengths) and dtype the same."""
+    first = _form(batches[0])
+    return all(_form(b) == first for b in batches[1:])
