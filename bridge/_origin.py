@@ -6,8 +6,12 @@ the ``int64`` one torch code normally gets. Where torch treats the two different
 indices: ``F.cross_entropy`` raises ``expected scalar type Long but found Int`` for
 ``int32``), the traced code asks :func:`handed_over` for the field's host dtype.
 
-Only leaves whose host dtype is ``int32`` or ``uint32`` are remembered (an ``int64`` label
-batch costs nothing), each for as long as its JAX array lives.
+The same holds for ``float64`` (handed over as ``float32``): torch refuses a float64 field
+(numpy arrays, Python floats through ``default_collate``) in a float32 ``nn.Linear``, so the
+traced matmuls ask for it too.
+
+Only leaves whose host dtype is ``int32``, ``uint32`` or ``float64`` are remembered (an
+``int64`` label batch costs nothing), each for as long as its JAX array lives.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 __all__ = ["Origin", "handed_over", "remember"]
 
-AMBIGUOUS = frozenset({torch.int32, torch.uint32})
+AMBIGUOUS = frozenset({torch.int32, torch.uint32, torch.float64})
 """Host dtypes JAX shows as the narrowed form of a 64-bit one."""
 
 
@@ -45,8 +49,8 @@ def remember(name: str, dtype: torch.dtype, out: Any) -> None:
 
 def handed_over(x: Any) -> Origin | None:
     """The host field and dtype of ``x``, an array :func:`bridge.to_jax` returned for an
-    ``int32``/``uint32`` tensor; ``None`` for anything else (a tracer, an array made in JAX,
-    a field handed over as ``int64``).
+    ``int32``/``uint32``/``float64`` tensor; ``None`` for anything else (a tracer, an array
+    made in JAX, a field handed over as ``int64``).
 
     Example:
         >>> import bridge, torch

@@ -36,7 +36,6 @@ import jax
 import torch
 from torch import nn
 
-import bridge
 from jaxcore import ModelFns
 from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
@@ -61,7 +60,7 @@ __all__ = [
 def _to_jax(t: torch.Tensor) -> jax.Array:
     """A JAX copy of a torch tensor (never aliasing it: the module may keep training);
     64-bit values narrow to 32 bits with a range check (:func:`bridge.as_jax`)."""
-    return bridge.as_jax(t, name="a weight or buffer")
+    return patterns.weight_as_jax(t)  # (a float64 one: a warning)
 
 
 class TorchTracer:

@@ -25,6 +25,7 @@ sliced tensor (:mod:`._inplace`: ``bias[C:2*C].zero_()``).
 """
 
 from torchshell.trace._env import environment, tracing
+from torchshell.trace._float64 import weight_as_jax
 from torchshell.trace._paths import (
     Bound,
     attributes_kept,
@@ -69,4 +70,5 @@ __all__ = [
     "spec",
     "traced",
     "tracing",
+    "weight_as_jax",
 ]

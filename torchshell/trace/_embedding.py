@@ -93,6 +93,7 @@ class EmbeddingChecks:
         ``module`` (the traced one) names a table by its path when its shape is unique."""
         self._env, self._module = env, module
         env.override_op_definition(torch.ops.aten.embedding.default, self._embedding)
+        env.override_op_definition(torch.ops.aten.embedding_renorm_.default, _renorm_refused)
 
     @contextlib.contextmanager
     def watching(self, batch: Any) -> Iterator[None]:
@@ -140,3 +141,21 @@ class EmbeddingChecks:
             hit = (idx == padding_idx)[..., None]
             out = jnp.where(hit, jax.lax.stop_gradient(out), out)
         return self._env.j2t_iso(out)
+
+
+def _renorm_refused(weight: Any, indices: Any, max_norm: float, norm_type: float) -> Any:
+    """``nn.Embedding(max_norm=...)``: refused, naming it (torchax's lowering read the
+    indices' values and its error spoke of "a constant tensor passed where a number is
+    read")."""
+    from torchshell.trace._ops import _module_site
+
+    raise TorchModelError(
+        f"nn.Embedding(max_norm={max_norm:g}) (or F.embedding(..., max_norm=)) in "
+        f"{_module_site()} renormalises the rows it looks up, in place in its weight, in "
+        "every forward (torch's embedding_renorm_): the compiled step cannot write a trained "
+        "weight back in place, so it would train other weights than torch. Fix: drop "
+        "max_norm, or renormalise the table in a host hook (what it changes goes back into "
+        "the step's weights): def on_train_batch_start(self, batch, batch_idx): with "
+        f"torch.no_grad(): self.<embedding>.weight.renorm_({norm_type:g}, 0, {max_norm:g}) "
+        "(every row, not only the looked-up ones)."
+    )

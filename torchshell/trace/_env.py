@@ -17,10 +17,12 @@ import torch.nn.functional as F
 
 from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._autocast import user_autocast
+from torchshell.trace._autograd_fn import custom_backwards
 from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell.trace._embedding_bag import embedding_bag_lowerings
 from torchshell.trace._fold import folded_when_concrete
+from torchshell.trace._func import traced_gradients
 from torchshell.trace._hf import uncached
 from torchshell.trace._host_random import host_random_refused
 from torchshell.trace._inplace import written_through_views
@@ -246,6 +248,8 @@ def tracing() -> Iterator[None]:
             uncached(),
             host_random_refused(),  # np.random.beta in a step: one draw reused, refused
             user_no_grad_regions(),  # the user's torch.no_grad(): no gradient through it
+            custom_backwards(),  # a user's torch.autograd.Function: its own backward
+            traced_gradients(),  # torch.func.vjp/grad in a step (a gradient penalty)
             class_index_checked(),  # F.cross_entropy/nll_loss: targets torch refuses, refused
             warnings.catch_warnings(),
             # Lightning's precision plugin's region is not the step's (the JAX step has its

@@ -70,30 +70,55 @@ _keep_path.defvjp(_keep_path_fwd, _keep_path_bwd)
 
 @contextlib.contextmanager
 def user_no_grad_regions() -> Iterator[None]:
-    """For the duration: ``torch.no_grad`` entered by the user's code is counted (see
-    :func:`stopped_in_no_grad`, which stops the gradients of ops run inside it)."""
-    cls = torch.autograd.grad_mode.no_grad
-    enter, exit_ = cls.__enter__, cls.__exit__
+    """For the duration: ``torch.no_grad``, ``torch.set_grad_enabled(False)`` and
+    ``torch.inference_mode()`` entered by the user's code are counted (see
+    :func:`stopped_in_no_grad`, which stops the gradients of ops run inside them).
 
-    def counted_enter(self: Any) -> None:
-        self._coreshell_token = _DEPTH.set(_DEPTH.get() + 1) if _entered_by_user() else None
-        enter(self)
-
-    def counted_exit(self: Any, *exc: Any) -> None:
-        exit_(self, *exc)
-        token = self.__dict__.pop("_coreshell_token", None)
-        if token is not None:
-            _DEPTH.reset(token)
-
+    ``set_grad_enabled(not self.freeze_encoder)`` around a backbone (fine-tuning code) was
+    not: the frozen encoder trained. A user's ``inference_mode()`` is counted and not
+    entered: under it torch skips the decompositions torchax lowers (``aten::dropout``
+    stopped the trace, its message blaming the layer).
+    """
+    grad_mode = torch.autograd.grad_mode
+    patched = [
+        _counting(grad_mode.no_grad, lambda cm: True),
+        _counting(grad_mode.set_grad_enabled, lambda cm: not cm.mode),
+        _counting(grad_mode.inference_mode, lambda cm: bool(cm.mode), replace=True),
+    ]
     token = _DEPTH.set(0)
-    cls.__enter__ = counted_enter  # type: ignore[method-assign]
-    cls.__exit__ = counted_exit  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        cls.__enter__ = enter  # type: ignore[method-assign]
-        cls.__exit__ = exit_  # type: ignore[method-assign]
+        for cls, enter, exit_ in patched:
+            cls.__enter__ = enter  # type: ignore[method-assign]
+            cls.__exit__ = exit_  # type: ignore[method-assign]
         _DEPTH.reset(token)
+
+
+def _counting(
+    cls: Any, stops: Callable[[Any], bool], replace: bool = False
+) -> tuple[Any, Any, Any]:
+    """Patches ``cls``'s ``__enter__``/``__exit__`` to count a region the user's code opens
+    whose gradients ``stops`` (``replace``: such a region is not entered, only counted);
+    returns ``(cls, enter, exit)`` to put back."""
+    enter, exit_ = cls.__enter__, cls.__exit__
+
+    def counted_enter(self: Any) -> None:
+        user = _entered_by_user() and stops(self)
+        self._coreshell_token = _DEPTH.set(_DEPTH.get() + 1) if user else None
+        if not (replace and user):
+            enter(self)
+
+    def counted_exit(self: Any, *exc: Any) -> None:
+        token = self.__dict__.pop("_coreshell_token", None)
+        if not (replace and token is not None):
+            exit_(self, *exc)
+        if token is not None:
+            _DEPTH.reset(token)
+
+    cls.__enter__ = counted_enter
+    cls.__exit__ = counted_exit
+    return cls, enter, exit_
 
 
 def stopped_in_no_grad(env: Any, dispatch: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,9 +11,9 @@
   relu with slope ``(lower + upper) / 2``, in training a slope drawn per element from
   ``U(lower, upper)`` where ``x <= 0``, from the step's key (as dropout draws).
 - ``Tensor.normal_`` failed in torchax (no functional ``aten::normal`` overload takes its
-  arguments); ``normal_``/``uniform_`` draw from the step's key, in the tensor's dtype, with
-  torch's argument checks (the functional ``aten::uniform`` too: torchax asserted
-  ``from <= to``, a bare ``AssertionError``).
+  arguments); ``normal_``/``uniform_``/``exponential_`` draw from the step's key, in the
+  tensor's dtype, with torch's argument checks (the functional ``aten::uniform`` too: torchax
+  asserted ``from <= to``, a bare ``AssertionError``; ``exponential_`` drew from a fixed key).
 - Matmuls and convolutions refuse operands of different dtypes at trace time as torch does,
   where JAX would promote silently (a bf16 batch into an fp32 ``nn.Linear``).
 """
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from torchshell._errors import TorchModelError
+from torchshell.trace._float64 import host_dtype_names, narrowed_weights
 
 
 def _windows(n_in: int, n_out: int) -> np.ndarray:
@@ -179,7 +180,9 @@ def _random_(env: Any, kind: str, op: str | None = None) -> Callable[..., jax.Ar
     default ``Tensor.normal_``/``Tensor.uniform_``): a draw of ``x``'s shape and dtype."""
     op = op or f"Tensor.{kind}_"
 
-    def draw(x: jax.Array, a: float = 0.0, b: float = 1.0, *, generator: Any = None) -> Any:
+    first = 1.0 if kind == "exponential" else 0.0  # (exponential_'s lambd: 1)
+
+    def draw(x: jax.Array, a: float = first, b: float = 1.0, *, generator: Any = None) -> Any:
         a, b = float(a), float(b)
         if kind == "normal" and b < 0:
             raise TorchModelError(
@@ -193,9 +196,18 @@ def _random_(env: Any, kind: str, op: str | None = None) -> Callable[..., jax.Ar
                 "raises 'uniform_ expects to return a [from, to) range, but found "
                 f"from={a:g} > to={b:g}'). Fix: swap the bounds ({op}(from={b}, to={a}))."
             )
+        if kind == "exponential" and not a > 0:
+            raise TorchModelError(
+                f"{op}(lambd={a}) in {_module_site()}: torch needs lambd > 0 (it raises "
+                f"'exponential_ expects lambda > 0.0, but found lambda={a:g}'). Fix: pass "
+                "lambd > 0."
+            )
         dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
         key = env.get_and_rotate_prng_key(generator)
-        if kind == "normal":
+        if kind == "exponential":  # (torch's draws are > 0: gumbel_softmax takes their log)
+            value = jnp.maximum(jax.random.exponential(key, x.shape, dtype), jnp.finfo(dtype).tiny)
+            value = value / a
+        elif kind == "normal":
             value = jax.random.normal(key, x.shape, dtype) * b + a
         else:
             value = jax.random.uniform(key, x.shape, dtype, minval=a, maxval=b)
@@ -254,6 +266,9 @@ def _same_dtypes(name: str, names: Sequence[str], func: Callable[..., Any]) -> C
         tensors = {k: v for k, v in given.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
         if len({_dtype_name(v) for v in tensors.values()}) > 1 and not _REDUCED.get():
             raise _mixed(name, tensors, conv)
+        hosts = host_dtype_names(tensors)  # a float64 batch field (JAX: float32)
+        if len(set(hosts.values())) > 1 and not _REDUCED.get():
+            raise _mixed(name, tensors, conv, hosts)
         return func(*args, **kwargs)
 
     return checked
@@ -279,15 +294,17 @@ def reduced_compute(params: Any, params0: Any) -> Iterator[None]:
         k in params0 and jnp.dtype(v.dtype) != jnp.dtype(params0[k].dtype)
         for k, v in params.items()
     )
-    token = _REDUCED.set(cast)
+    token = _REDUCED.set(cast or narrowed_weights(params0))  # (a .double() module)
     try:
         yield
     finally:
         _REDUCED.reset(token)
 
 
-def _mixed(op: str, tensors: dict[str, Any], conv: bool) -> TorchModelError:
-    dtypes = {k: _dtype_name(v) for k, v in tensors.items()}
+def _mixed(
+    op: str, tensors: dict[str, Any], conv: bool, dtypes: dict[str, str] | None = None
+) -> TorchModelError:
+    dtypes = dtypes or {k: _dtype_name(v) for k, v in tensors.items()}
     first, *rest = dtypes
     other = next(k for k in rest if dtypes[k] != dtypes[first])
     a, b = (_TORCH_NAMES.get(dtypes[k], dtypes[k]) for k in (first, other))
@@ -351,7 +368,10 @@ def install_ops(env: Any) -> None:
     put(aten.rrelu_with_noise_functional.default,
         lambda x, noise, *args, **kwargs: _rrelu(env, x, *args, **kwargs), jax_fn=True,
         needs_env=False)  # fmt: skip
-    for op, kind in ((aten.normal_.default, "normal"), (aten.uniform_.default, "uniform")):
+    # exponential_: torchax drew from a fixed key, the same numbers every step and call
+    # (F.gumbel_softmax's noise); from the step's key here
+    drawn = {aten.normal_.default: "normal", aten.uniform_.default: "uniform"}
+    for op, kind in (drawn | {aten.exponential_.default: "exponential"}).items():
         inplace = op_base.InplaceOp(_random_(env, kind), is_jax_func=True)
         put(op, inplace, jax_fn=False, needs_env=False, view=True)
     # the functional op (``torch.ops.aten.uniform(x, a, b)``; ``uniform.out``): torchax's

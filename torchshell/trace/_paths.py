@@ -28,11 +28,17 @@ def explore(run: Callable[[tuple[bool, ...]], Any], max_paths: int, where: str) 
     raises :class:`TorchModelError`.
     """
     paths = [0]
+    # a check met along this path (its decisions) -> the outcome that raised: met again (a
+    # later check's rerun of this part), it is traced once per outcome, not as a lax.cond
+    # first; the reruns grew as 2**checks (torch.distributions checks each argument)
+    checks: dict[tuple[bool, ...], bool] = {}
 
     def go(decisions: tuple[bool, ...]) -> Any:
         try:
             return run(decisions)
         except Branch as b:
+            if decisions in checks:
+                return _checked(go, decisions, b.pred, None, checks[decisions])
             paths[0] += 1
             if paths[0] >= max_paths:
                 raise TorchModelError(
@@ -43,14 +49,25 @@ def explore(run: Callable[[tuple[bool, ...]], Any], max_paths: int, where: str) 
                     "torch.where (e.g. x = torch.where(keep, layer(x), x)), or raise "
                     "max_branches."
                 ) from None
+            raised: list[bool] = []  # the outcome whose run raised
+
+            def branch(taken: bool) -> Callable[[], Any]:
+                def run_branch() -> Any:
+                    try:
+                        return go((*decisions, taken))
+                    except (ValueError, RuntimeError):
+                        raised.append(taken)
+                        raise
+
+                return run_branch
+
             try:
-                return jax.lax.cond(
-                    b.pred, lambda: go((*decisions, True)), lambda: go((*decisions, False))
-                )
+                return jax.lax.cond(b.pred, branch(True), branch(False))
             except (ValueError, RuntimeError) as err:
                 if not is_check(err):
                     raise
-                return _checked(go, decisions, b.pred, err)
+                checks[decisions] = raised[0] if raised else True
+                return _checked(go, decisions, b.pred, err, checks[decisions])
 
     return go(())
 
@@ -66,16 +83,22 @@ def _checked(
     go: Callable[[tuple[bool, ...]], Any],
     decisions: tuple[bool, ...],
     pred: Any,
-    original: BaseException,
+    original: BaseException | None,
+    first: bool = True,
 ) -> Any:
     """A traced bool whose one outcome raises (a check: ``if n >= limit: raise ValueError``).
 
     The step takes the other outcome, and raises the check's error when the traced value
     says so, as torch would (a host callback: the step fails with that message).
+
+    ``first``: the outcome that raised in the ``lax.cond``, traced first here, so the run
+    kept is the last one made: what a run records (its reads, its ``self.log`` calls)
+    is that run's. (Traced last, ``torch.distributions``' ``if not valid: raise`` left
+    the failing path's records: a raw ``IndexError``/``zip()`` error.)
     """
     outcomes: dict[bool, Any] = {}
     errors: dict[bool, BaseException] = {}
-    for taken in (True, False):
+    for taken in (first, not first):
         try:
             outcomes[taken] = go((*decisions, taken))
         except (ValueError, RuntimeError) as raised:
@@ -83,7 +106,11 @@ def _checked(
                 raise
             errors[taken] = raised
     if len(errors) != 1:  # both outcomes raise (or neither alone): as traced in the cond
-        raise errors.get(True) or original
+        if not errors and original is None:  # (a known check that raised on neither)
+            return jax.lax.cond(
+                pred, lambda: go((*decisions, True)), lambda: go((*decisions, False))
+            )
+        raise errors.get(True) or errors.get(False) or original  # type: ignore[misc]
     fails, check = next(iter(errors.items()))
     message = f"{type(check).__name__}: {check}"
     jax.debug.callback(functools.partial(_raise_check, message), pred if fails else ~pred)

@@ -155,7 +155,8 @@ def casts_to_long(env: Any) -> None:
     With x64 off the cast of an int32 tensor to int64 is int32 to int32, and JAX returns the
     same array: a batch field the user casts (what torch asks for) would still be the field
     :func:`check_target_dtype` refuses. A copy (which XLA removes) makes it a value of its
-    own, as in torch.
+    own, as in torch. So does ``x.float()`` of a float64 field (JAX: float32 already), which
+    the traced matmuls would otherwise refuse as float64 (:mod:`._float64`).
     """
     from torchax.tensor import Tensor
 
@@ -164,8 +165,21 @@ def casts_to_long(env: Any) -> None:
     def cast(the_tensor: Any, new_dtype: Any, new_device: Any) -> Any:
         out = to_copy(the_tensor, new_dtype, new_device)
         same = isinstance(out, Tensor) and out._elem is getattr(the_tensor, "_elem", None)
-        if same and new_dtype in (torch.int64, torch.uint64):
+        if same and (
+            new_dtype in (torch.int64, torch.uint64)
+            or (new_dtype == torch.float32 and _from_float64(out._elem))  # x.float()
+        ):
             return Tensor(jnp.array(out._elem, copy=True), env, out.requires_grad)
         return out
 
     env._to_copy = cast
+    # x.float() of a float32 array: torch returns x itself without dispatching an op
+    env.override_op_definition(
+        torch._C.TensorBase.float, lambda t, *args, **kwargs: cast(t, torch.float32, None)
+    )
+
+
+def _from_float64(value: Any) -> bool:
+    """Whether ``value`` is a batch field that was float64 on the host."""
+    origin = bridge.handed_over(_concrete(value))
+    return origin is not None and origin.dtype == torch.float64
