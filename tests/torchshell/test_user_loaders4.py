@@ -6,9 +6,7 @@ and Python-number records, bucketed variable lengths, batches whose form changes
 Each runs a few steps on tiny data against what plain torch does with the same batches
 (``from_torch``: the losses and weights step by step), or against the same run at one step
 per call (``steps_per_call="auto"`` windows forced to K=4: the batches of a window stacked),
-or is refused where torch refuses, naming the field and the fix. The ``xfail(strict=True)``
-cases are class labels past the classes and float64 regression targets (``trace/_loss.py``,
-``jaxcore``); each reason names the fix.
+or is refused where torch refuses, naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -514,15 +512,9 @@ def _past_the_classes() -> DataLoader:
     return DataLoader(TensorDataset(X, y), batch_size=8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trace/_loss.py torch_loss_fn does not check class indices against the output's "
-    "classes: the step trains on a label past them (torch: 'IndexError: Target 5 is out of "
-    "bounds.'). Fix there: jaxcore.guard.index_check on the kept targets in the "
-    "class-index branch, as trace/_embedding.py checks embedding ids",
-)
 def test_a_class_target_past_the_classes_is_refused_as_torch_refuses(tmp_path: Path) -> None:
-    """A label of 5 for 3 classes: torch raises, the traced loss trains on it."""
+    """A label of 5 for 3 classes: torch raises; the traced loss trained on it (now refused
+    in the step, naming the value, as torch's IndexError does)."""
     loader = _past_the_classes()
     with pytest.raises(IndexError, match="Target 5 is out of bounds"):
         _torch_steps(nn.Linear(20, 3), loader, 1, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
@@ -582,16 +574,9 @@ class _Scalar(nn.Module):
         return self.lin(x).squeeze(-1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trace/_loss.py runs MSELoss on a float64 target (Python floats through "
-    "default_collate) narrowed to float32 and trains; torch's backward raises 'Found dtype "
-    "Double but expected Float'. Fix there: in torch_loss_fn, a target whose host dtype was "
-    "float64 (bridge.handed_over) beside a float32 output under mse_loss/huber_loss raises "
-    "TorchModelError naming the field and the fix (.float() on the targets)",
-)
 def test_python_float_targets_under_mse_are_refused_as_torch_refuses(tmp_path: Path) -> None:
-    """Regression targets as Python floats (float64): torch's ``MSELoss`` backward refuses them."""
+    """Regression targets as Python floats (float64): torch's ``MSELoss`` backward refuses
+    them; coreshell trained in float32 (now refused naming the field and the fix)."""
     data = [(X[i], float(Y[i]) / 2) for i in range(37)]
     loader = DataLoader(data, batch_size=8)
     assert next(iter(loader))[1].dtype == torch.float64

@@ -49,6 +49,12 @@ def weight_as_jax(t: torch.Tensor) -> Any:
     return out
 
 
+def any_narrowed() -> bool:
+    """Whether a float64 module's weights were narrowed (and live): its float32 outputs
+    stand for torch's float64 ones."""
+    return any(ref() is not None for ref in _NARROWED.values())
+
+
 def narrowed_weights(params: dict[str, Any]) -> bool:
     """Whether any of ``params`` (a tracer's initial weights) was a float64 weight."""
     return any(_is_narrowed(v) for v in params.values())

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.trace._targets import check_class_target, class_index_checked
+from torchshell.trace._targets import check_class_target, check_float_target, class_index_checked
 
 __all__ = [
     "is_torch_loss",
@@ -277,6 +277,7 @@ def torch_loss_fn(
             )
         if class_index:
             check_class_target(name, outputs.ndim, target)
+        check_float_target(name, outputs, target)  # (float64 targets torch refuses)
         # Lightning evaluates under inference_mode, which skips the decompositions torchax
         # lowers losses with (as in torch_model.py); int64 -> int32 narrowing: see there
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
@@ -304,6 +305,7 @@ def torch_loss_fn(
             losses = rows.sum(1)
         elif class_targets:
             kept = target != ignore
+            _classes_checked(name, jnp.where(kept, target, 0), outputs)
             w = jnp.ones(target.shape) if weight is None else weight[jnp.where(kept, target, 0)]
             counted = (w * kept).reshape(per.shape[0], -1).sum(1)
             total = jnp.sum(counted * real)
@@ -313,6 +315,21 @@ def torch_loss_fn(
         return losses, metrics
 
     return loss_fn
+
+
+def _classes_checked(loss: str, target: jax.Array, outputs: jax.Array) -> None:
+    """Class indices past the output's classes (dim 1, or 0 for one row's scores), refused in
+    the step as torch's ``IndexError: Target N is out of bounds`` (read at the logging
+    cadence, naming the value and the step)."""
+    classes = outputs.shape[1 if outputs.ndim > 1 else 0]
+    jaxcore.guard.index_check(
+        target,
+        classes,
+        f"{loss}: a class-index target holds {{value}} {{where}}, past the model's {classes} "
+        f"classes. torch raises IndexError: Target {{value}} is out of bounds; expected class "
+        f"indices in [0, {classes - 1}] (or the loss's ignore_index). Fix: map the labels "
+        f"into [0, {classes - 1}] in the Dataset, or give the model's last layer more outputs.",
+    )
 
 
 def _describe(outputs: Any) -> str:

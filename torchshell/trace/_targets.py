@@ -28,7 +28,13 @@ import bridge
 import jaxcore
 from torchshell._errors import TorchModelError
 
-__all__ = ["casts_to_long", "check_class_target", "check_target_dtype", "class_index_checked"]
+__all__ = [
+    "casts_to_long",
+    "check_class_target",
+    "check_float_target",
+    "check_target_dtype",
+    "class_index_checked",
+]
 
 # class-index targets torch refuses that reach the trace in their own dtype
 _REFUSED_TARGETS = {"int8": "Char", "int16": "Short", "uint16": "UInt16", "bool": "Bool"}
@@ -74,6 +80,38 @@ def check_target_dtype(loss: str, target: Any) -> None:
         )
 
 
+# losses torch refuses a float64 target beside a float32 input in (mse/huber: in backward,
+# "Found dtype Double but expected Float"; binary_cross_entropy: in forward)
+SAME_DTYPE_LOSSES = frozenset(
+    {"mse_loss", "MSELoss", "huber_loss", "HuberLoss", "binary_cross_entropy", "BCELoss"}
+)
+
+
+def check_float_target(loss: str, input: Any, target: Any) -> None:
+    """Refuses, under a loss of :data:`SAME_DTYPE_LOSSES`, a target that was a float64 batch
+    field on the host (numpy arrays, Python floats through ``default_collate``; x64 off hands
+    it over as float32) beside a float32 input, as torch refuses it.
+
+    Example:
+        >>> check_float_target("mse_loss", jnp.zeros(3), jnp.zeros(3))  # (made in JAX)
+    """
+    from torchshell.trace._float64 import any_narrowed
+
+    if loss not in SAME_DTYPE_LOSSES or _dtype_name(input) == "float64" or any_narrowed():
+        return  # (a float64 module's output is float64 in torch: the two agree)
+    origin = bridge.handed_over(_concrete(target))
+    if origin is None or origin.dtype != torch.float64:
+        return
+    raise TorchModelError(
+        f"{loss}: the target is {_field(origin.field)}, which the DataLoader gives as float64 "
+        f"(numpy float64 or Python floats through default_collate), beside the model's "
+        f"{_dtype_name(input)} output; plain torch raises 'Found dtype Double but expected "
+        "Float' and does not train. Expected float32 targets. Fix: .float() on the targets in "
+        "the Dataset or collate (e.g. torch.tensor(value, dtype=torch.float32)), or in the "
+        "loss."
+    )
+
+
 def _field(path: str) -> str:
     """A bridge path (``y``, ``1``, ``labels/0``) as the user indexes the batch.
 
@@ -116,11 +154,17 @@ def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
 
 
 def _checked(loss: Callable[..., Any]) -> Callable[..., Any]:
-    """``loss`` with :func:`check_class_target` first."""
+    """``loss`` with its target checked first: :func:`check_class_target` for a class-index
+    loss, :func:`check_float_target` for the others."""
+    name = loss.__name__
+    classes = name in ("cross_entropy", "nll_loss")
 
     @functools.wraps(loss)
     def checked(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        check_class_target(loss.__name__, input.ndim, target)
+        if classes:
+            check_class_target(name, input.ndim, target)
+        else:
+            check_float_target(name, input, target)
         return loss(input, target, *args, **kwargs)
 
     return checked
@@ -129,7 +173,9 @@ def _checked(loss: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def class_index_checked() -> Iterator[None]:
     """``F.cross_entropy`` and ``F.nll_loss`` (``nn.CrossEntropyLoss``/``nn.NLLLoss`` call
-    them) check their target first (:func:`check_class_target`) for the duration.
+    them) check their target first (:func:`check_class_target`) for the duration, and so do
+    ``F.mse_loss``, ``F.huber_loss`` and ``F.binary_cross_entropy`` (a float64 target
+    torch refuses: :func:`check_float_target`).
 
     Example:
         >>> import torch
@@ -139,7 +185,8 @@ def class_index_checked() -> Iterator[None]:
         ...
         torchshell._errors.TorchModelError: cross_entropy: the class-index target is int16...
     """
-    originals = {name: getattr(F, name) for name in ("cross_entropy", "nll_loss")}
+    names = ("cross_entropy", "nll_loss", "mse_loss", "huber_loss", "binary_cross_entropy")
+    originals = {name: getattr(F, name) for name in names}
     try:
         for name, loss in originals.items():
             setattr(F, name, _checked(loss))
