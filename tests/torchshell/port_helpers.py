@@ -117,3 +117,32 @@ def max_rel_err(
             a, b = t.numpy(), np.asarray(jp[name])
             worst = max(worst, float(np.max(np.abs(a - b) / (floor + np.abs(a)))))
     return worst
+
+
+def agree(
+    runs: dict[str, tuple[Any, Any]],
+    series: tuple[str, ...] = ("train_loss",),
+    rtol: float = 1e-5,
+    skip: Callable[[str], Any] = lambda name: None,
+    ignore: tuple[str, ...] = (),
+) -> None:
+    """A plain Lightning run and a coreshell run (``runs["plain"]``, ``runs["jax"]``: each
+    ``(trainer, the user's module)``) agree: the logged ``series``, ``callback_metrics`` (but
+    ``ignore``) and the final ``state_dict``s (``skip(name)`` gives rows of a weight to leave
+    out: a parameter Adam moves by float noise)."""
+    (ref, plain), (ours, user) = runs["plain"], runs["jax"]
+    for name in series:
+        want = ref.logger.series(name)
+        assert want, name
+        np.testing.assert_allclose(ours.logger.series(name), want, rtol=rtol, err_msg=name)
+    assert set(ours.callback_metrics) >= set(ref.callback_metrics)
+    for name, value in ref.callback_metrics.items():
+        if name not in ignore:
+            got = float(ours.callback_metrics[name])
+            np.testing.assert_allclose(got, float(value), rtol=rtol, atol=1e-7, err_msg=name)
+    state = user.state_dict()
+    for name, value in plain.state_dict().items():
+        a, b = value.numpy(), state[name].numpy()
+        if (drop := skip(name)) is not None:
+            a, b = np.delete(a, drop, axis=0), np.delete(b, drop, axis=0)
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * 1e-2, err_msg=name)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.torchshell import wild3_modules as W
+from tests.torchshell.port_helpers import agree
 from tests.torchshell.test_port import Recorder
 from torchshell import JaxModule
 from torchshell._errors import ConfigError, TorchModelError
@@ -57,31 +58,6 @@ def _pair(
     return runs
 
 
-def _same(
-    runs: dict[str, tuple[L.Trainer, L.LightningModule]],
-    series: tuple[str, ...] = ("train_loss",),
-    rtol: float = 1e-5,
-    skip: Callable[[str], Any] = lambda name: None,
-) -> None:
-    """Logged series, callback_metrics and final state_dicts agree (``rtol``, floor 1e-2)."""
-    (ref, plain), (ours, user) = runs["plain"], runs["jax"]
-    for name in series:
-        want = ref.logger.series(name)
-        assert want, name
-        np.testing.assert_allclose(ours.logger.series(name), want, rtol=rtol, err_msg=name)
-    assert set(ours.callback_metrics) >= set(ref.callback_metrics)
-    for name, value in ref.callback_metrics.items():
-        np.testing.assert_allclose(
-            float(ours.callback_metrics[name]), float(value), rtol=rtol, atol=1e-7, err_msg=name
-        )
-    got = user.state_dict()
-    for name, value in plain.state_dict().items():
-        a, b = value.numpy(), got[name].numpy()
-        if (drop := skip(name)) is not None:
-            a, b = np.delete(a, drop, axis=0), np.delete(b, drop, axis=0)
-        np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * 1e-2, err_msg=name)
-
-
 def _table(n: int = 64, seed: int = 0, batch: int = 16) -> DataLoader:
     """Four batches of 16 (no ragged last batch: one compiled step less to wait for)."""
     return DataLoader(W.table(n, seed), batch_size=batch)
@@ -95,7 +71,7 @@ def test_torchmetrics_objects_log_dict_and_warm_restarts(tmp_path: Path) -> None
     # MulticlassAccuracy in training_step logged through log_dict, update()+log(metric) and a
     # logged F1 in validation_step, ([Adam], [CosineAnnealingWarmRestarts]) per epoch
     runs = _pair(W.MetricsClassifier, tmp_path, _table(), _table(30, 1))
-    _same(runs, ("train_loss_step", "train_acc_step", "train_acc_epoch", "val_acc", "val_f1"), 1e-4)
+    agree(runs, ("train_loss_step", "train_acc_step", "train_acc_epoch", "val_acc", "val_f1"), 1e-4)
 
 
 def test_autoencoder_returning_a_dict_to_callbacks(tmp_path: Path) -> None:
@@ -106,7 +82,7 @@ def test_autoencoder_returning_a_dict_to_callbacks(tmp_path: Path) -> None:
         return [seen[-1]]
 
     runs = _pair(W.AutoEncoder, tmp_path, _table(70), _table(30, 1), callbacks=callbacks)
-    _same(runs, ("train_loss_step", "train_loss_epoch", "val_mse"))
+    agree(runs, ("train_loss_step", "train_loss_epoch", "val_mse"))
     plain, ours = seen
     assert (
         [s for s, _, _ in ours.seen]
@@ -120,7 +96,7 @@ def test_validation_outputs_gathered_with_trainer_reads_and_self_print(tmp_path:
     # validation_step_outputs aggregated with torch.cat and one_hot at the epoch end,
     # self.trainer.is_global_zero, self.current_epoch weighting the loss, self.print
     runs = _pair(W.GatheredValidation, tmp_path, _table(), _table(30, 1))
-    _same(runs, ("train_loss", "val_acc", "val_loss", "val_pred_class0"))
+    agree(runs, ("train_loss", "val_acc", "val_loss", "val_pred_class0"))
     assert runs["jax"][1].printed == runs["plain"][1].printed
 
 
@@ -135,28 +111,28 @@ def test_text_transformer_with_no_decay_groups_and_warmup(tmp_path: Path) -> Non
     def key_bias(name: str) -> Any:
         return slice(16, 32) if name.endswith("in_proj_bias") else None
 
-    _same(runs, ("train_loss",), rtol=1e-4, skip=key_bias)
+    agree(runs, ("train_loss",), rtol=1e-4, skip=key_bias)
 
 
 def test_frozen_backbone_stays_frozen(tmp_path: Path) -> None:
     torch.manual_seed(0)
     before = {k: v.clone() for k, v in W.FrozenBackbone().backbone.state_dict().items()}
     runs = _pair(W.FrozenBackbone, tmp_path, _table())
-    _same(runs, rtol=1e-4)
+    agree(runs, rtol=1e-4)
     for name, value in runs["jax"][1].backbone.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 
 
 def test_tied_embedding_gru_language_model(tmp_path: Path) -> None:
     runs = _pair(W.TiedLM, tmp_path, DataLoader(W.Sentences(40, 0), batch_size=8), max_steps=4)
-    _same(runs, ("train_loss", "train_ppl"), rtol=1e-4)
+    agree(runs, ("train_loss", "train_ppl"), rtol=1e-4)
     user = runs["jax"][1]
     assert user.decoder.weight is user.encoder.weight
 
 
 def test_buffers_updated_in_training_step(tmp_path: Path) -> None:
     runs = _pair(W.RunningNorm, tmp_path, _table())
-    _same(runs)
+    agree(runs)
     assert int(runs["jax"][1].seen) == int(runs["plain"][1].seen) == 128
 
 
@@ -165,7 +141,7 @@ def test_injected_network_metric_collection_chained_scheduler(tmp_path: Path) ->
         return W.Injected(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
 
     runs = _pair(make, tmp_path, _table(), _table(30, 1))
-    _same(runs, ("train_loss", "train_acc", "train_prec", "val_acc", "val_prec"))
+    agree(runs, ("train_loss", "train_acc", "train_prec", "val_acc", "val_prec"))
 
 
 def test_vae_draws_fresh_noise_every_step(tmp_path: Path) -> None:
@@ -183,20 +159,20 @@ def test_optimizer_over_trainer_model_parameters(tmp_path: Path) -> None:
     # torch.optim.Adam(self.trainer.model.parameters()): the Trainer's model is the user's
     # module inside configure_optimizers, as in plain Lightning (it was the JaxModule: "optimizer
     # got an empty parameter list")
-    _same(_pair(W.TrainerModelParams, tmp_path, _table()), rtol=1e-4)
+    agree(_pair(W.TrainerModelParams, tmp_path, _table()), rtol=1e-4)
 
 
 def test_configure_model_and_a_lazy_layer_sized_by_example_input(tmp_path: Path) -> None:
     # configure_model builds the body, LazyLinear takes its shape from example_input_array
     # (with Lightning's default model summary, plain Lightning sizes it at the same point)
-    _same(_pair(W.BuiltInSetup, tmp_path, _table(), enable_model_summary=True))
+    agree(_pair(W.BuiltInSetup, tmp_path, _table(), enable_model_summary=True))
 
 
 def test_a_head_built_in_setup_is_traced_and_trained(tmp_path: Path) -> None:
     # setup(stage) sizes the head from the data after from_lightning snapshotted the weights
     # (it was refused as "a plain CPU torch.Tensor mixed with the traced ones")
     runs = _pair(W.BuiltInSetupHook, tmp_path, _table())
-    _same(runs)
+    agree(runs)
     assert runs["jax"][1].head.weight.shape == (3, 16)
 
 
@@ -206,7 +182,7 @@ def test_a_backbone_frozen_in_on_train_start_stays_frozen(tmp_path: Path) -> Non
     torch.manual_seed(0)
     before = {k: v.clone() for k, v in W.FreezesOnTrainStart().backbone.state_dict().items()}
     runs = _pair(W.FreezesOnTrainStart, tmp_path, _table())
-    _same(runs, rtol=1e-4)
+    agree(runs, rtol=1e-4)
     for name, value in runs["jax"][1].backbone.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 

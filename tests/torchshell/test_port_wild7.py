@@ -11,7 +11,6 @@ refuses it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.torchshell import wild7_modules as W
+from tests.torchshell.port_helpers import agree
 from tests.torchshell.test_port_wild3 import _pair, _trainer
 from torchshell import JaxModule
 from torchshell._errors import TorchModelError
@@ -33,31 +33,9 @@ def _table(n: int = 64, seed: int = 0, features: int = 8, **kwargs: Any) -> Data
     return DataLoader(W.table(n, seed, features), batch_size=16, **kwargs)
 
 
-def _close(
-    runs: dict[str, tuple[L.Trainer, L.LightningModule]],
-    series: tuple[str, ...] = ("train_loss",),
-    rtol: float = 1e-4,
-    ignore: tuple[str, ...] = (),
-    skip: Callable[[str], Any] = lambda name: None,
-) -> None:
-    """Logged series, ``callback_metrics`` (but ``ignore``) and final weights agree (``skip``
-    gives rows of a weight to leave out: a parameter Adam moves by float noise)."""
-    (ref, plain), (ours, user) = runs["plain"], runs["jax"]
-    for name in series:
-        want = ref.logger.series(name)
-        assert want, name
-        np.testing.assert_allclose(ours.logger.series(name), want, rtol=rtol, err_msg=name)
-    assert set(ours.callback_metrics) >= set(ref.callback_metrics)
-    for name, value in ref.callback_metrics.items():
-        if name not in ignore:
-            got = float(ours.callback_metrics[name])
-            np.testing.assert_allclose(got, float(value), rtol=rtol, atol=1e-7, err_msg=name)
-    got_sd = user.state_dict()
-    for name, value in plain.state_dict().items():
-        a, b = value.numpy(), got_sd[name].numpy()
-        if (drop := skip(name)) is not None:
-            a, b = np.delete(a, drop, axis=0), np.delete(b, drop, axis=0)
-        np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * 1e-2, err_msg=name)
+def _close(runs: dict[str, tuple[L.Trainer, L.LightningModule]], *args: Any, **kw: Any) -> None:
+    """:func:`agree` at ``rtol=1e-4`` unless given."""
+    agree(runs, *args, **{"rtol": 1e-4, **kw})
 
 
 def test_dann_gradient_reversal_function_keeps_its_backward(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import jax
 import torch
 
 import bridge
+import jaxcore
 
 _NARROWED: dict[int, weakref.ref[Any]] = {}
 
@@ -63,8 +64,6 @@ def narrowed_weights(params: dict[str, Any]) -> bool:
 def host_dtype_names(tensors: dict[str, Any]) -> dict[str, str]:
     """``{name: dtype}`` of traced operands, a batch field handed over from float64 (and a
     float64 constant) named ``float64``, every other one its own dtype."""
-    from torchshell.trace._targets import _concrete
-
     names = {}
     for name, value in tensors.items():
         origin = bridge.handed_over(_concrete(value))
@@ -77,3 +76,12 @@ def host_dtype_names(tensors: dict[str, Any]) -> dict[str, str]:
 def _is_narrowed(array: Any) -> bool:
     ref = _NARROWED.get(id(array))
     return ref is not None and ref() is array
+
+
+def _concrete(target: Any) -> Any:
+    """The JAX array the bridge returned that ``target`` (a torchax tensor, a JAX array or
+    tracer) is, where it is one."""
+    value = getattr(target, "_elem", target)  # (a torchax tensor's array)
+    if isinstance(value, jax.core.Tracer):
+        return jaxcore.concrete_of(value)
+    return value

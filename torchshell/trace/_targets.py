@@ -19,14 +19,13 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
 import bridge
-import jaxcore
 from torchshell._errors import TorchModelError
+from torchshell.trace._float64 import _concrete, any_narrowed
 
 __all__ = [
     "casts_to_long",
@@ -95,8 +94,6 @@ def check_float_target(loss: str, input: Any, target: Any) -> None:
     Example:
         >>> check_float_target("mse_loss", jnp.zeros(3), jnp.zeros(3))  # (made in JAX)
     """
-    from torchshell.trace._float64 import any_narrowed
-
     if loss not in SAME_DTYPE_LOSSES or _dtype_name(input) == "float64" or any_narrowed():
         return  # (a float64 module's output is float64 in torch: the two agree)
     origin = bridge.handed_over(_concrete(target))
@@ -120,15 +117,6 @@ def _field(path: str) -> str:
         ("batch['y']", 'batch[1]', "batch['labels'][0]")
     """
     return "batch" + "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]" for p in path.split("/"))
-
-
-def _concrete(target: Any) -> Any:
-    """The JAX array the bridge returned that ``target`` (a torchax tensor, a JAX array or
-    tracer) is, where it is one."""
-    value = getattr(target, "_elem", target)  # (a torchax tensor's array)
-    if isinstance(value, jax.core.Tracer):
-        return jaxcore.concrete_of(value)
-    return value
 
 
 def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
