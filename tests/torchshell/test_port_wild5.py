@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 
 from bridge import TransferError
 from tests.torchshell import wild5_modules as W
-from tests.torchshell.test_port_wild3 import _pair, _same, _trainer
+from tests.torchshell.port_helpers import agree as _same
+from tests.torchshell.test_port_wild3 import _pair, _trainer
 from tests.torchshell.wild4_modules import Images
 from torchshell import JaxModule
 from torchshell._errors import ConfigError, TorchModelError

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.torchshell import wild6_modules as W
-from tests.torchshell.test_port_wild3 import _pair, _same, _trainer
+from tests.torchshell.port_helpers import agree as _same
+from tests.torchshell.test_port_wild3 import _pair, _trainer
 from torchshell import JaxModule
 from torchshell._errors import ConfigError
 
