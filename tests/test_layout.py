@@ -49,8 +49,7 @@ def _runtime_imports(
             subs = {f"{base}.{alias.name}" for alias in node.names}
             known = subs & modules if modules is not None else subs
             found.update(known)
-            if len(known) < len(subs) or modules is None:
-                found.add(base)
+            found.add(base)  # (``from pkg import sub`` runs ``pkg/__init__`` first)
         for child in ast.iter_child_nodes(node):
             visit(child)
 

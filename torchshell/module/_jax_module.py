@@ -23,14 +23,22 @@ from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 from torchshell.adapters._base import input_names, model_functions, step_loss
 from torchshell.adapters._logs import TrainLog
 from torchshell.adapters._optim import optax_options
-from torchshell.module import _checkpoint, _training
 from torchshell.module._accumulation import Accumulation
-from torchshell.module._checkpoint import Held
+from torchshell.module._checkpoint import (
+    Held,
+    fit_end,
+    fit_start,
+    load,
+    restore_from,
+    save,
+    sync_user_weights,
+)
 from torchshell.module._compiled import Compiled
 from torchshell.module._evaluation import Evaluation, eval_epoch_end
 from torchshell.module._flags import TrainerFlags, attached
-from torchshell.module._logging import check_finite, emit, log_values, outputs_wanted
+from torchshell.module._logging import check_finite, log_values, outputs_wanted
 from torchshell.module._run_scope import RunScope
+from torchshell.module._training import init_state, run_window, step_forward, train_batch
 from torchshell.module._windows import Windows, resolve_steps_per_call
 from torchshell.port import LightningAdapter, LightningPort
 
@@ -151,7 +159,7 @@ class JaxModule(L.LightningModule):
         self.held = Held()  # a restore waiting for the state; the state torch_module holds
         self.accumulation = Accumulation()  # Trainer(accumulate_grad_batches=m)'s window
         self._float_fields: list[str] | None = None  # names the input NaN/Inf came in
-        self.train_log = TrainLog(functools.partial(emit, self))
+        self.train_log = TrainLog(functools.partial(self.adapter.logs.emit, self))
         self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
         self.run_scope = RunScope()  # what a run changes (flags, loaders), undone at its end
         self.adapter.hooks.attach(self)  # (the port: the user's hooks and loaders)
@@ -247,13 +255,13 @@ class JaxModule(L.LightningModule):
     def batch_size(self, value: Any) -> None:
         self.adapter.hooks.set_attribute(self, "batch_size", value)
 
-    init_state = _training.init_state  # (the state built from a batch's shapes, once)
+    init_state = init_state  # (the state built from a batch's shapes, once)
 
     # -- training (torchshell.module._training, ._logging) -----------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
         """Runs the compiled step, or buffers the batch for K steps in one call
         (:func:`~torchshell.module._training.train_batch`)."""
-        return _training.train_batch(self, batch)  # type: ignore[no-any-return]
+        return train_batch(self, batch)  # type: ignore[no-any-return]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_started()
@@ -277,7 +285,7 @@ class JaxModule(L.LightningModule):
         """The JAX train state; batches still buffered for a window run first (the state is
         current wherever it is read: validation, a checkpoint, a callback, after ``fit``)."""
         if self.windows.buffer:
-            _training.run_window(self)
+            run_window(self)
         return self._state
 
     @state.setter
@@ -348,11 +356,11 @@ class JaxModule(L.LightningModule):
         return self.adapter.optim.optimizer(self)  # type: ignore[no-any-return]
 
     # -- checkpoints and the trained weights (torchshell.module._checkpoint) ---------------
-    on_fit_start = _checkpoint.fit_start  # (a new fit: a new optimizer state)
-    on_fit_end = _checkpoint.fit_end  # (the user's torch module holds the trained weights)
-    on_save_checkpoint = _checkpoint.save
-    on_load_checkpoint = _checkpoint.load
-    restore_from = _checkpoint.restore_from
+    on_fit_start = fit_start  # (a new fit: a new optimizer state)
+    on_fit_end = fit_end  # (the user's torch module holds the trained weights)
+    on_save_checkpoint = save
+    on_load_checkpoint = load
+    restore_from = restore_from
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -388,5 +396,5 @@ class JaxModule(L.LightningModule):
 
     _log_values = log_values
     _outputs_wanted = outputs_wanted
-    _step_forward = _training.step_forward
-    _sync_user_weights = _checkpoint.sync_user_weights
+    _step_forward = step_forward
+    _sync_user_weights = sync_user_weights

@@ -132,15 +132,3 @@ def check_finite(module: JaxModule) -> None:
     input field and rows when NaN/Inf came in with the batch (``jaxcore.check_finite``)."""
     if module.state is not None and module.nan_policy == "stop":
         jaxcore.check_finite(module.state, module._float_fields)
-
-
-def emit(
-    module: JaxModule,
-    logs: dict[str, float],
-    step: int,
-    progress_bar: bool,
-    epoch: int | None = None,
-) -> None:
-    """One logging step's host values (``TrainLog``'s callback), as the adapter's ``logs``
-    emit them (which of them, under which names: through :func:`log_values`)."""
-    module.adapter.logs.emit(module, logs, step, progress_bar, epoch)
