@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bridge._errors import TransferError
+from bridge._stats import TransferStats
 
 # torch dtypes numpy lacks <-> the ml_dtypes numpy dtypes JAX uses for them.
 _ML_DTYPES: dict[torch.dtype, np.dtype] = {
@@ -83,17 +84,22 @@ def as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def as_torch(x: Any) -> torch.Tensor:
+def as_torch(x: Any, *, stats: TransferStats | None = None) -> torch.Tensor:
     """A torch tensor of a JAX array, numpy array (``ml_dtypes`` included) or tensor.
 
     A JAX array on one device (or fully replicated) is handed over through DLPack with no
     copy; one sharded over several devices is gathered first (one copy; across processes
-    with ``process_allgather``). A numpy array is viewed (bfloat16/float8 through their bits)
-    unless it is read-only or has negative strides, then copied once. A tensor is returned
-    detached.
+    with ``process_allgather``). Where the platform refuses DLPack (a TPU: ``BufferError``)
+    or the dtype has no DLPack code (float8), the array comes to the host with
+    ``jax.device_get`` instead, counted in ``stats``; after a platform's first refusal its
+    arrays go straight to the host. (JAX hands that host buffer back read-only, so the tensor
+    gets its own copy of it.) A numpy array is viewed (bfloat16/float8 through their
+    bits, never through float32) unless it is read-only or has negative strides, then copied
+    once. A tensor is returned detached.
 
     Args:
         x: a ``jax.Array``, ``np.ndarray`` (or array-like), or ``torch.Tensor``.
+        stats: where device-to-host copies are counted (``device_to_host_bytes``).
 
     Returns:
         The tensor, on the CPU unless ``x`` was a device tensor or array.
@@ -107,10 +113,42 @@ def as_torch(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach()
     if isinstance(x, jax.Array):
-        x = _gathered(x)
-        if isinstance(x, jax.Array):
-            return torch.from_dlpack(x)
-    arr = np.asarray(x)
+        return _jax_to_torch(x, stats)
+    return _numpy_to_torch(np.asarray(x))
+
+
+# Platforms ("tpu", ...) whose arrays refused DLPack with a BufferError, so their later
+# arrays go straight to one host copy. A module-level set: the refusal is a property of the
+# platform's runtime, fixed for the life of the process (tests clear it).
+_NO_DLPACK: set[str] = set()
+
+
+def _jax_to_torch(x: jax.Array, stats: TransferStats | None) -> torch.Tensor:
+    """DLPack where the platform and dtype allow it, else one counted device-to-host copy."""
+    platform = next(iter(x.devices())).platform
+    if platform in _NO_DLPACK and x.is_fully_addressable:
+        return _to_host(x, stats)  # device_get assembles the shards on the host
+    one = _gathered(x)
+    if not isinstance(one, jax.Array):  # across processes: process_allgather came to the host
+        return _to_host(one, stats)
+    if platform not in _NO_DLPACK and jax.dlpack.is_supported_dtype(one.dtype):
+        try:
+            return torch.from_dlpack(one)
+        except BufferError:  # a TPU: "__dlpack__ device only supported for CPU and GPU, ..."
+            _NO_DLPACK.add(platform)
+    return _to_host(one, stats)
+
+
+def _to_host(x: jax.Array | np.ndarray, stats: TransferStats | None) -> torch.Tensor:
+    """``x`` through one host buffer (bf16 as ``ml_dtypes.bfloat16``, crossing as bits)."""
+    host = np.asarray(jax.device_get(x))
+    if stats is not None:
+        stats.record_device_to_host(host.nbytes)
+    return _numpy_to_torch(host)
+
+
+def _numpy_to_torch(arr: np.ndarray) -> torch.Tensor:
+    """A tensor viewing ``arr`` (copied once if read-only or negatively strided)."""
     if not arr.flags.writeable or any(s < 0 for s in arr.strides):
         arr = arr.copy()  # torch.from_numpy refuses negative strides, warns on read-only
     if arr.dtype in _TORCH_OF_ML:

@@ -127,17 +127,29 @@ def copied_shard_bytes(x: jax.Array, t: torch.Tensor) -> int:
     return copied
 
 
-def to_torch(tree: PyTree) -> PyTree:
+def to_torch(tree: PyTree, *, stats: TransferStats | None = None) -> PyTree:
     """Hands each ``jax.Array`` leaf to torch through DLPack (zero-copy on one device).
 
     A single-device or fully replicated array aliases JAX's buffer (the torch tensor keeps
     it alive); an array sharded over several devices is gathered into one buffer first (one
     copy), across processes with ``process_allgather``. Stream order on an accelerator is
-    kept by the DLPack protocol. Other leaves are returned unchanged.
+    kept by the DLPack protocol. Where the platform refuses DLPack (a TPU), each array comes
+    through the host instead (``jax.device_get``; bfloat16 kept), chosen once per platform
+    and counted in ``stats`` (see :func:`bridge.as_torch`). Other leaves are returned
+    unchanged.
+
+    Args:
+        tree: a pytree whose ``jax.Array`` leaves are handed over.
+        stats: where copies through the host are counted (``device_to_host_bytes``).
 
     Example:
-        >>> import jax.numpy as jnp
-        >>> to_torch({"a": jnp.arange(3)})["a"].tolist()
+        >>> import bridge, jax.numpy as jnp
+        >>> stats = bridge.new_stats()
+        >>> to_torch({"a": jnp.arange(3)}, stats=stats)["a"].tolist()
         [0, 1, 2]
+        >>> stats.device_to_host_copies  # on a CPU: DLPack, nothing copied
+        0
     """
-    return map_leaves(lambda _, x: as_torch(x), tree, lambda x: isinstance(x, jax.Array))
+    return map_leaves(
+        lambda _, x: as_torch(x, stats=stats), tree, lambda x: isinstance(x, jax.Array)
+    )
