@@ -90,10 +90,10 @@ def as_torch(x: Any, *, stats: TransferStats | None = None) -> torch.Tensor:
     A JAX array on one device (or fully replicated) is handed over through DLPack with no
     copy; one sharded over several devices is gathered first (one copy; across processes
     with ``process_allgather``). Where the platform refuses DLPack (a TPU: ``BufferError``)
-    or the dtype has no DLPack code (float8), the array comes to the host with
-    ``jax.device_get`` instead, counted in ``stats``; after a platform's first refusal its
-    arrays go straight to the host. (JAX hands that host buffer back read-only, so the tensor
-    gets its own copy of it.) A numpy array is viewed (bfloat16/float8 through their
+    or the dtype has no DLPack code (float8), the array comes to the host in one copy
+    instead (onto JAX's CPU device, then DLPack; ``jax.device_get`` where JAX has no CPU
+    device), counted in ``stats``; after a platform's first refusal its arrays go straight
+    to the host. A numpy array is viewed (bfloat16/float8 through their
     bits, never through float32) unless it is read-only or has negative strides, then copied
     once. A tensor is returned detached.
 
@@ -140,11 +140,30 @@ def _jax_to_torch(x: jax.Array, stats: TransferStats | None) -> torch.Tensor:
 
 
 def _to_host(x: jax.Array | np.ndarray, stats: TransferStats | None) -> torch.Tensor:
-    """``x`` through one host buffer (bf16 as ``ml_dtypes.bfloat16``, crossing as bits)."""
-    host = np.asarray(jax.device_get(x))
+    """``x`` through one host buffer (bf16 as ``ml_dtypes.bfloat16``, crossing as bits).
+
+    An accelerator's array is copied onto JAX's CPU device and handed over by DLPack: one
+    copy, into a buffer the tensor owns. ``jax.device_get`` alone would take two on a TPU
+    (the host value it returns is read-only, cached on the array: torch needs its own).
+    """
     if stats is not None:
-        stats.record_device_to_host(host.nbytes)
-    return _numpy_to_torch(host)
+        stats.record_device_to_host(x.nbytes)
+    if isinstance(x, jax.Array) and (cpu := _host_device(x)) is not None:
+        try:
+            return torch.from_dlpack(jax.device_put(x, cpu))
+        except BufferError:
+            pass  # (a CPU array refusing DLPack too: the numpy route below)
+    return _numpy_to_torch(np.asarray(jax.device_get(x)))
+
+
+def _host_device(x: jax.Array) -> jax.Device | None:
+    """JAX's first CPU device, when ``x`` is not on it already and JAX has one."""
+    if any(d.platform == "cpu" for d in x.devices()):
+        return None
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return None
 
 
 def _numpy_to_torch(arr: np.ndarray) -> torch.Tensor:

@@ -134,7 +134,7 @@ def to_torch(tree: PyTree, *, stats: TransferStats | None = None) -> PyTree:
     it alive); an array sharded over several devices is gathered into one buffer first (one
     copy), across processes with ``process_allgather``. Stream order on an accelerator is
     kept by the DLPack protocol. Where the platform refuses DLPack (a TPU), each array comes
-    through the host instead (``jax.device_get``; bfloat16 kept), chosen once per platform
+    through the host instead (one copy; bfloat16 kept), chosen once per platform
     and counted in ``stats`` (see :func:`bridge.as_torch`). Other leaves are returned
     unchanged.
 

@@ -48,6 +48,9 @@ from torchshell.trace._reads import (
     TracedScalar,
 )
 from torchshell.trace._targets import check_class_target
+from torchshell.trace._torchax import install as _install_torchax_hook
+
+_install_torchax_hook()  # torchax imports under a torch lacking an overload it names
 
 __all__ = [
     "HOST",
