@@ -18,6 +18,7 @@ os.environ.setdefault("CORESHELL_CACHE_DIR", tempfile.mkdtemp(prefix="coreshell-
 # one-test files that take minutes last). Only the order changes; every test still runs.
 SLOW_FIRST = (
     "tests/test_benchmarks.py",
+    "tests/test_tpu_script.py",
     "tests/torchshell/test_cli.py",
     "tests/torchshell/test_multiprocess.py",
     "tests/zoo/test_zoo.py",

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# TPU readiness in one run (one TPU v5e chip; < 9 min: every stage under its own limit and all
+# of them inside one budget, TPU_SH_BUDGET=520 s after the install), one table at the end.
+# A stage that fails or runs out of time is a FAILED row (its log's tail printed under the
+# table) and the others still run; rows are printed as each stage finishes.
+#   1. encoder: a Whisper-base-sized encoder (d=512 x6, 1,500 frames, B=16, bf16) as a pure
+#      Flax step, through JaxModule, through from_torch (gpu_encoder.py);
+#   2. models: Whisper-base encoder classifier, ViT-B/16 and GPT-2 small, each a team's
+#      LightningModule through JaxModule.from_lightning beside a pure-Flax twin of the same
+#      shapes and optimizer: steps/s, MFU, the ratio (tpu_models.py);
+#   3. speech: the default speech recipe through `coreshell train` (its stack: torchaudio,
+#      MLflow, eSpeak NG) when the machine has it; a FAILED row naming what is missing when not;
+#   4. transfer: a torch batch onto the chip, bridge.to_jax against bare jax.device_put
+#      (tpu_transfer.py);
+#   5. digits: the digits MLP at the defaults on the user's DataLoader against the hand-written
+#      Lightning+JAX hybrid and Keras 3 (user_path.py; the host-bound case).
+#
+# The stack on the TPU machine (no registry there): its own JAX 0.10.2 + libtpu; torch 2.13 CPU
+# from /opt/wheels; flax, optax, orbax-checkpoint, keras, scikit-learn... from its own index
+# (file:///opt/pypi/simple); the rest carried as wheels in .whl-tpu/, fetched here with
+#   benchmarks/tpu.sh --fetch-wheels      (torchax, lightning, lightning-utilities,
+#                                          torchmetrics, torchdata, hydra-core, omegaconf and
+#                                          an antlr4 wheel built from its sdist; 2.4 MB)
+# and the device call names .whl-tpu in `carry` (docs/tpu.md). Everything installs under
+# /tmp/site, after the machine's JAX on PYTHONPATH.
+#
+#   benchmarks/tpu.sh             # on the TPU machine
+#   benchmarks/tpu.sh --dry-run   # CPU, tiny sizes (run by the suite): every stage, the table
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE="${1:-}"
+WHEELS=(torchax==0.0.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
+        torchdata==0.11.0 hydra-core==1.3.8 omegaconf==2.3.1)
+if [[ $MODE == --fetch-wheels ]]; then  # here, where a registry is reachable
+  mkdir -p .whl-tpu
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+    --implementation cp --platform any -d .whl-tpu "${WHEELS[@]}" &&
+    python3 -m pip wheel -q --no-deps -w .whl-tpu antlr4-python3-runtime==4.9.3
+  exit
+fi
+DRY=0
+if [[ $MODE == --dry-run ]]; then DRY=1; fi
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONUNBUFFERED=1
+
+if [[ $DRY == 1 ]]; then
+  PY="${PY:-.venv/bin/python}"
+  BUDGET=100000
+  export JAX_PLATFORMS=cpu
+  # XLA's CPU backend unoptimised: tiny steps compile twice as fast; their figures mean nothing
+  export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  ENC=(--dry-run) MODELS=(--dry-run) TRANSFER=(--dry-run) DIGITS=(--tiny --rounds 1)
+  SPEECH=(--dry-run)
+else
+  PY="${PY:-python3}"
+  SITE=/tmp/site
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
+  if ! "$PY" -c "import torch, flax, lightning, torchax" 2>/dev/null; then
+    echo "installing into $SITE (torch 2.13 CPU, the index's packages, .whl-tpu)" >&2
+    export PIP_CONFIG_FILE=/dev/null
+    "$PY" -m pip install --isolated -q --no-index --no-deps --no-compile --target "$SITE" \
+      .whl-tpu/*.whl || { echo "no .whl-tpu: run benchmarks/tpu.sh --fetch-wheels here" >&2; exit 2; }
+    "$PY" -m pip install --isolated -q --no-compile --only-binary=:all: --upgrade \
+      --index-url file:///opt/pypi/simple --find-links /opt/wheels --target "$SITE" torch \
+      flax optax orbax-checkpoint safetensors pyyaml tqdm fsspec rich packaging \
+      typing-extensions prometheus-client scikit-learn keras soundfile matplotlib 2>&1 |
+      grep -v -e "^WARNING: Location" -e "notice" >&2
+  fi
+  BUDGET="${TPU_SH_BUDGET:-520}"
+  ENC=(--steps 20 --batch 16) MODELS=() TRANSFER=() DIGITS=(--rounds 3 --steps 400) SPEECH=()
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+START=$SECONDS
+"$PY" -c "import jax, torch; print('JAX', jax.__version__, jax.devices(), 'torch', torch.__version__)"
+
+# stage NAME SECONDS CMD...: CMD's output in $WORK/NAME.txt and on stderr as it runs, its exit
+# status in $WORK/NAME.rc; the limit is cut to what is left of $BUDGET (under 20 s: not run)
+stage() {
+  local name=$1 limit=$2 rc=0 left=$((BUDGET - SECONDS + START))
+  shift 2
+  if ((left < limit)); then limit=$left; fi
+  if ((limit < 20)); then
+    echo "not run: ${left} s left of tpu.sh's ${BUDGET} s budget" | tee "$WORK/$name.txt" >&2
+    echo budget > "$WORK/$name.rc"
+    return
+  fi
+  timeout "$limit" "$@" 2>&1 | tee "$WORK/$name.txt" >&2 || rc=$?
+  echo "$rc" > "$WORK/$name.rc"
+  echo "[$((SECONDS - START)) s] $name: exit $rc" >&2
+  grep "^| " "$WORK/$name.txt" | grep -v "^| benchmark" || true  # its rows, as they finish
+}
+
+stage encoder 170 "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" --json "$WORK/encoder.json"
+stage models 240 "$PY" benchmarks/tpu_models.py "${MODELS[@]}" --json "$WORK/models.json"
+stage transfer 40 "$PY" benchmarks/tpu_transfer.py "${TRANSFER[@]}" --json "$WORK/transfer.json"
+stage digits 90 "$PY" benchmarks/user_path.py "${DIGITS[@]}" --only a,c,e \
+  --forms "dict collate,TensorDataset tuples" --json "$WORK/digits.json"
+stage speech "$([[ $DRY == 1 ]] && echo 900 || echo 60)" "$PY" benchmarks/tpu_speech.py "${SPEECH[@]}" --json "$WORK/speech.json"
+
+WORK="$WORK" "$PY" - <<'PY'
+import importlib.util, json, os
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("_stats", "benchmarks/_stats.py")
+stats = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(stats)
+work = Path(os.environ["WORK"])
+rows, failed = [], []
+for name in ["encoder", "models", "speech", "transfer", "digits"]:
+    rc = (work / f"{name}.rc").read_text().strip()
+    done = work / f"{name}.json"
+    if done.exists():  # (a stage cut short keeps the rows it wrote)
+        rows += json.loads(done.read_text())["rows"]
+    if rc != "0":
+        failed.append(name)
+        why = {"124": "ran out of time", "budget": "not run: the time budget was spent"}
+        rows.append(stats.row(f"tpu: {name} stage", "see its log below", "result", [0.0],
+                              note=f"FAILED ({why.get(rc, f'exit {rc}')})"))
+la = stats.load_average()
+print(f"load average {la[0]:.1f}/{la[1]:.1f}/{la[2]:.1f}")
+print(stats.markdown(rows))
+for name in failed:
+    print(f"\n--- {name}: the end of its log ---\n" + (work / f"{name}.txt").read_text()[-2500:])
+raise SystemExit(1 if failed else 0)
+PY
