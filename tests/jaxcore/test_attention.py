@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -100,8 +101,95 @@ def test_the_implementation_is_picked_and_cudnn_refusals_fall_back_to_xla(monkey
     np.testing.assert_array_equal(out, real(q, k, v, None, mask, implementation="xla"))
     with pytest.raises(RuntimeError):
         attend(q, k, v, implementation="cudnn")  # asked for by name: no silent fallback
-    with pytest.raises(ValueError, match="implementation must be None, 'xla' or 'cudnn'"):
+    with pytest.raises(ValueError, match="implementation must be None, 'xla', 'cudnn' or 'pallas'"):
         attend(q, k, v, implementation="flash")
+
+
+_PALLAS_CASES = {  # name: (dtype, T, S, kv heads, H, attend's keywords beside q, k, v)
+    "float32-padded-key-mask": (jnp.float32, 40, 40, 2, 32, {"mask": "keys"}),
+    "bfloat16-causal-mask-per-head": (jnp.bfloat16, 130, 130, 2, 64, {"mask": "heads"}),
+    "float32-causal-grouped-query-cross": (jnp.float32, 40, 150, 1, 32, {"scale": 0.3}),
+    "bfloat16-causal": (jnp.bfloat16, 70, 70, 2, 32, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_PALLAS_CASES))
+def test_the_pallas_kernel_interpreted_equals_xla_in_values_and_grads(case: str) -> None:
+    dtype, t, s, kv_heads, h, kw = _PALLAS_CASES[case]
+    ks = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(ks[0], (2, t, 2, h), dtype)
+    k, v = (jax.random.normal(x, (2, s, kv_heads, h), dtype) for x in ks[1:3])
+    if kw.get("mask") == "keys":  # the second row: every key masked
+        kw = {**kw, "mask": (jnp.arange(s) < jnp.array([s - 7, 0])[:, None])[:, None, None, :]}
+    elif kw.get("mask") == "heads":
+        kw = {**kw, "mask": jax.random.bernoulli(ks[3], 0.6, (2, 2, 1, s))}
+    kw = {**kw, "is_causal": "causal" in case}
+    weights = jnp.cos(jnp.arange(h))
+
+    def run(implementation, q, k, v):
+        out = attend(q, k, v, implementation=implementation, interpret=True, **kw)
+        return jnp.sum(out.astype(jnp.float32) * weights), out
+
+    grad = jax.value_and_grad(run, argnums=(1, 2, 3), has_aux=True)
+    (_, got), got_grads = grad("pallas", q, k, v)
+    (_, want), want_grads = grad("xla", q, k, v)
+    assert got.dtype == dtype and got.shape == q.shape
+    rtol = 2e-2 if dtype == jnp.bfloat16 else 1e-5  # of each array's largest magnitude
+    for g, w in zip((got, *got_grads), (want, *want_grads), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=rtol * float(np.abs(w).max()))
+
+
+def test_the_pallas_kernel_is_picked_on_a_tpu_and_refusals_fall_back_to_xla(
+    monkeypatch,
+) -> None:
+    q, k, v = _qkv()
+    picked = []
+    monkeypatch.setattr(attention, "_pallas", lambda *a: picked.append(a) or a[0])
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
+    assert implementation_for(q) == "pallas"
+    assert implementation_for(q.astype(jnp.float16)) == "xla"
+    long = jnp.ones((1, attention._PALLAS_MIN_LENGTH, 1, 8))
+    assert attend(long, long, long) is long and len(picked) == 1  # long enough: the kernel
+    attend(q, k, v)  # short: XLA is faster there
+    attend(long, long, long, bias=jnp.zeros((1, 1, 1, long.shape[1])))  # a bias: XLA
+    assert len(picked) == 1
+    assert attend(q, k, v, implementation="pallas") is q  # short, but asked for by name
+    causal = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+    for kw, why in [
+        ({"bias": jnp.zeros((1, 1, 6, 6))}, "a bias"),
+        ({"mask": causal}, "a mask of shape"),
+        ({"value": jnp.ones((2, 6, 4, 16))}, "a value head dim 16"),
+    ]:
+        with pytest.raises(ValueError, match=f"Pallas flash kernel cannot take {why}"):
+            attend(q, k, kw.pop("value", v), implementation="pallas", **kw)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cannot take the cpu backend"):
+        attend(q, k, v, implementation="pallas")
+
+
+@pytest.mark.parametrize(("dtype", "want"), [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
+def test_the_pallas_kernel_is_traced_at_a_precision_mosaic_takes(dtype, want: str) -> None:
+    """Mosaic takes DEFAULT or HIGHEST, bfloat16 only at DEFAULT: under a caller's 'highest',
+    forward and backward kernels (the backward traced after attend returned) keep to that."""
+    q = jnp.ones((1, 40, 1, 32), dtype)
+
+    def loss(q):
+        out = attend(q, q, q, implementation="pallas", interpret=True)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.default_matmul_precision("highest"):
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(q))
+    assert jaxpr.count("pallas_call") == 3  # forward, dk/dv, dq
+    assert set(re.findall(r"precision=\(Precision\.(\w+)", jaxpr)) == {want}
+
+
+def test_the_pallas_block_is_the_whole_length_up_to_1024_then_the_least_padding() -> None:
+    lengths = (40, 130, 640, 1024, 1025, 1152, 1500, 2048, 3000)
+    assert [attention._block(n) for n in lengths] == [
+        (128, 128), (256, 256), (640, 640), (1024, 1024), (640, 1280), (640, 1280),
+        (768, 1536), (1024, 2048), (1024, 3072),
+    ]  # fmt: skip
 
 
 def _old_attention(params, x, mask, heads):
