@@ -67,7 +67,7 @@ else
       typing-extensions prometheus-client scikit-learn keras soundfile matplotlib 2>&1 |
       grep -v -e "^WARNING: Location" -e "notice" >&2
   fi
-  BUDGET="${TPU_SH_BUDGET:-520}"
+  BUDGET="${TPU_SH_BUDGET:-520}"  # (the install before it took 70 s)
   ENC=(--steps 20 --batch 16) MODELS=() TRANSFER=() DIGITS=(--rounds 3 --steps 400) SPEECH=()
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -91,8 +91,8 @@ stage() {
   grep "^| " "$WORK/$name.txt" | grep -v "^| benchmark" || true  # its rows, as they finish
 }
 
-stage encoder 170 "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" --json "$WORK/encoder.json"
 stage models 240 "$PY" benchmarks/tpu_models.py "${MODELS[@]}" --json "$WORK/models.json"
+stage encoder 150 "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" --json "$WORK/encoder.json"
 stage transfer 40 "$PY" benchmarks/tpu_transfer.py "${TRANSFER[@]}" --json "$WORK/transfer.json"
 stage digits 90 "$PY" benchmarks/user_path.py "${DIGITS[@]}" --only a,c,e \
   --forms "dict collate,TensorDataset tuples" --json "$WORK/digits.json"
