@@ -42,6 +42,7 @@ from torchshell.trace._ops import install_ops
 from torchshell.trace._packed import packed_as_masks
 from torchshell.trace._reads import Reads, scalar_reads
 from torchshell.trace._rnnt import rnnt_loss_forward
+from torchshell.trace._special import special_lowerings
 from torchshell.trace._targets import casts_to_long, class_index_checked
 
 _BATCH_NORM_OPS = (
@@ -92,6 +93,7 @@ def environment(reads: Reads) -> Any:
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
         **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
+        **special_lowerings(),  # polygamma, digamma's gradient, log_ndtr, _safe_softmax, lstsq
     }
     with_env = {
         # torch.distributions' samplers (Beta(a, a).sample(): mixup) draw from the trace's key

@@ -1,0 +1,116 @@
+"""Ops the trace computed differently from torch, silently (issue #52: torch's OpInfo
+database through the trace): each op's value and gradient of ``(out * w).sum()``, traced
+against torch eager, float32."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torchshell.torch_model import torch_model_fns
+
+
+class _Op(nn.Module):
+    """``op(*params, *batch)``: the differentiable inputs are the module's parameters."""
+
+    def __init__(self, op: Callable[..., Any], params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.op = op
+        self.ps = nn.ParameterList([nn.Parameter(p.clone()) for p in params])
+
+    def forward(self, *batch: torch.Tensor) -> Any:
+        return self.op(*self.ps, *batch)
+
+
+def _differences(
+    op: Callable[..., Any],
+    params: list[torch.Tensor],
+    batch: tuple[torch.Tensor, ...] = (),
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> list[str]:
+    """What differs between torch eager and the trace: the value, each parameter's grad."""
+    net = _Op(op, params)
+    out = net(*batch)
+    w = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)
+    (out * w).sum().backward()
+    names = tuple(f"b{i}" for i in range(len(batch)))
+    fns = torch_model_fns(net, names)
+    fields = {k: jnp.asarray(v.numpy()) for k, v in zip(names, batch, strict=True)}
+    init, state = fns.init(jax.random.key(0), fields)
+
+    def loss(p: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        got = fns.apply(p, state, fields, jax.random.key(0), True)[0]
+        return (got * jnp.asarray(w.numpy())).sum(), got
+
+    (_, got), grads = jax.value_and_grad(loss, has_aux=True)(init)
+    wrong = []
+    want = out.detach().numpy()
+    if not np.allclose(np.asarray(got), want, rtol=rtol, atol=atol, equal_nan=True):
+        wrong.append(f"value {np.asarray(got)} != torch's {want}")
+    for i, p in enumerate(net.ps):
+        g, t = np.asarray(grads[f"ps.{i}"]), p.grad.numpy()
+        if not np.allclose(g, t, rtol=rtol, atol=atol, equal_nan=True):
+            wrong.append(f"gradient {i} {g} != torch's {t}")
+    return wrong
+
+
+_NEGATIVE = torch.tensor([-8.478, -2.3, -0.4, 0.3, 1.7, 5.2, -31.7])
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4])
+def test_polygamma_at_negative_inputs_equals_torch(n: int) -> None:
+    """``jax.lax.polygamma(1, -8.478)`` is 7.739 (torch, scipy: 9.804): a JAX bug, worked
+    around by the reflection formula below 1/2."""
+    assert not _differences(lambda x: torch.polygamma(n, x), [_NEGATIVE])
+    assert not _differences(lambda x: torch.special.polygamma(n, x), [_NEGATIVE])
+
+
+def test_digamma_gradient_at_negative_inputs_equals_torch() -> None:
+    assert not _differences(torch.digamma, [_NEGATIVE])
+    assert not _differences(torch.special.psi, [_NEGATIVE])
+
+
+def test_log_ndtr_far_in_the_left_tail_equals_torch() -> None:
+    """torchax's decomposition: NaN gradient below about -7.9 (NaN value below -20)."""
+    x = torch.tensor([-30.0, -20.0, -9.0, -7.9, -3.0, 0.0, 2.0, 9.0])
+    assert not _differences(torch.special.log_ndtr, [x])
+
+
+def test_safe_softmax_of_a_fully_masked_row_has_gradient_zero() -> None:
+    """A row all ``-inf`` (a query no key may see): 0, and gradient 0 (was NaN)."""
+    inf = float("-inf")
+    mask = torch.tensor([[0.0, 0.0, 0.0], [inf, inf, inf], [0.0, inf, 0.0]])
+    x = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    assert not _differences(lambda a, m: torch.ops.aten._safe_softmax(a + m, -1), [x], (mask,))
+
+
+@pytest.mark.parametrize("driver", [None, "gels", "gelsy", "gelsd", "gelss"])
+def test_lstsq_values_and_gradients_equal_torch(driver: str | None) -> None:
+    """``jnp.linalg.lstsq``'s gradients were ~1,000x less accurate than torch's (5.5e-3 on a
+    well-conditioned 3x3): a QR solve (``gelsy``, torch's CPU default), an SVD (``gelsd``)."""
+    g = torch.Generator().manual_seed(1)
+    square = torch.tensor([[2.0, 0.5, 0.1], [0.3, 1.5, -0.2], [0.1, -0.4, 3.0]])
+    tall = torch.randn(2, 5, 3, generator=g) + torch.eye(5, 3)
+    wide = torch.randn(3, 5, generator=g)
+
+    def solution(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.lstsq(a, b, driver=driver).solution
+
+    assert not _differences(solution, [square, torch.randn(3, 2, generator=g)])
+    assert not _differences(solution, [tall, torch.randn(2, 5, 2, generator=g)])
+    if driver in (None, "gelsy", "gelsd", "gelss"):  # (gels: wide A needs full row rank)
+        assert not _differences(solution, [wide, torch.randn(3, 2, generator=g)])
+    if driver in ("gels", "gelsd", "gelss"):  # residuals (gelsy: none)
+
+        def residuals(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.lstsq(a, b, driver=driver).residuals
+
+        assert not _differences(residuals, [tall, torch.randn(2, 5, 2, generator=g)])
