@@ -104,6 +104,8 @@ class LightningAdapter(TorchAdapter):
 
     def sample(self, batch: Any) -> Any:
         containers_as_nodes(batch)  # (the first batch may come before any hand-over)
+        if self.port.weights_only:  # an eval batch: the state from the weights alone
+            return self.place(batch)
         return self.to_jax(batch)
 
     def one_step_view(self, batch: Any, k: int) -> tuple[Any, Any, int]:

@@ -259,6 +259,8 @@ class LightningHooks(ModuleHooks):
         computes it twice per batch.
         """
         module.init_state(batch)  # (the first batch traces training_step: now it is known)
+        if "training_step" not in self.port.statics:  # (the state came from an eval batch)
+            module.adapter.to_jax(batch)
         extras, appends = self.port.returns_more
         wanted = module._outputs_wanted()
         if not appends and not (extras and wanted):  # (extras no one reads: not computed)

@@ -201,15 +201,26 @@ class LightningOptimizer(OptaxOptimizer):
                 print(f"coreshell: optimizer {self.mapped.description} (mapped onto optax)")
 
     def sync_torch_lr(self, module: Any) -> None:
-        """The torch optimizers' ``lr`` follow the JAX schedule (LearningRateMonitor reads it)."""
+        """The torch optimizer's scheduled hyperparameters (``lr``, ``momentum``, ``betas``,
+        ``weight_decay``: what a scheduler changes) follow the JAX schedule, as torch's
+        scheduler leaves them after each step (LearningRateMonitor reads them)."""
         trainer = module.trainer
         if self.mapped is None or not trainer.optimizers:
             return
         assert self.lr_scale is not None  # (set with the mapping)
-        optimizer = trainer.optimizers[0]
-        lrs = self._table_lrs(trainer.global_step)  # read on the host: no device work
+        optimizer, step = trainer.optimizers[0], trainer.global_step
+        lrs = self._table_lrs(step)  # read on the host: no device work
         for index in self.mapped.lr_group:
             optimizer.param_groups[index]["lr"] = lrs[index] * float(self.lr_scale[index])
+        for group, spec in zip(optimizer.param_groups, self.mapped.groups, strict=False):
+            for key, table in spec.tables.items():
+                value = float(table[min(step, len(table) - 1)])
+                if key in ("beta1", "beta2") and "betas" in group:
+                    betas = list(group["betas"])
+                    betas[key == "beta2"] = value
+                    group["betas"] = tuple(betas)
+                elif key != "lr" and key in group:
+                    group[key] = value
 
     def _table_lrs(self, step: int) -> list[float]:
         assert self.mapped is not None

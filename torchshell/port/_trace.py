@@ -96,6 +96,7 @@ class LightningPort(LogCapture):
         self._warned: set[tuple[str, str]] = set()
         # training_step returns more than its loss, appends to lists (see _hook_fn)
         self.returns_more = (False, False)
+        self.weights_only = False  # an eval batch's state: training_step not traced on it
 
     def refresh(self) -> bool:
         """Snapshots the module's weights again when a hook run after ``from_lightning`` (the
@@ -179,8 +180,7 @@ class LightningPort(LogCapture):
         def fn(b: Any) -> Any:
             # each path of a traced branch (layer drop) runs the hook again: its own records
             del records[:], calls[:]
-            # Lightning's precision plugin may have entered torch.autocast around our
-            # training_step; the traced step's dtype is the JAX step's, not autocast's.
+            # (Lightning's precision plugin's torch.autocast: the traced step's dtype is JAX's)
             with (
                 self._capture(hook, records, calls),
                 self.embeddings.watching(b),
@@ -358,13 +358,13 @@ class LightningPort(LogCapture):
 
         ``apply`` returns ``{"loss": loss, "logs": {name: value}, "user": ...}``, which
         :meth:`loss_fn` turns into the step's loss and metrics (``log/<name>``); ``"user"``
-        holds what the step returned beside its loss (``"extras"``) and appended to the
-        module's lists (``"appended"``), for the host (:func:`jaxcore.make_train_forward`).
+        holds what the step returned beside its loss (``"extras"``) and appended to lists
+        (``"appended"``), for the host. ``init`` traces it (else ``specialise`` did).
         """
 
         def init(rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:
             t = self.tracer
-            if hook_key("training_step") not in self.statics:  # (else traced by specialise)
+            if hook_key("training_step") not in self.statics and not self.weights_only:
                 jax.eval_shape(
                     lambda b: self.apply(t.params0, t.state0, b, jax.random.key(0), True), batch
                 )

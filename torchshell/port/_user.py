@@ -306,7 +306,7 @@ class LightningEvaluation(EvalHooks):
                 )
         fields = host_fields_out(batch)  # ids, paths: stand-ins in the step, back in `out`
         adapter.checkpoint.write_back_host(module)  # (host hooks changed in place: BatchNorm)
-        state = module.init_state(fields)  # (the sanity check's batch may be the first one)
+        state = self._first_state(module, fields)
         jbatch = self.port.specialise(hook, adapter.place(fields), False, dataloader_idx)
         out, logs = self._step_for(module, hook, dataloader_idx)(state, jbatch)
         out = host_fields_back(out, batch)
@@ -333,6 +333,18 @@ class LightningEvaluation(EvalHooks):
                 add_dataloader_idx=spec.add_dataloader_idx,
             )
         return out
+
+    def _first_state(self, module: Any, batch: Any) -> Any:
+        """The state; built here when an eval batch comes first (the sanity check), from the
+        module's weights alone: ``training_step`` is never traced on an eval batch (whose form
+        may differ: SimCLR's two views); the first training batch traces it."""
+        if module.state is not None:
+            return module.state
+        self.port.weights_only = True
+        try:
+            return module.init_state(batch)
+        finally:
+            self.port.weights_only = False
 
     def validation_step(
         self, module: Any, batch: Any, batch_idx: int, dataloader_idx: int | None
