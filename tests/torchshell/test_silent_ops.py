@@ -114,3 +114,39 @@ def test_lstsq_values_and_gradients_equal_torch(driver: str | None) -> None:
             return torch.linalg.lstsq(a, b, driver=driver).residuals
 
         assert not _differences(residuals, [tall, torch.randn(2, 5, 2, generator=g)])
+
+
+_BATCH_NORMS = ["native_batch_norm", "_native_batch_norm_legit"]
+
+
+@pytest.mark.parametrize(
+    ("name", "training"),
+    [
+        *((n, t) for n in _BATCH_NORMS for t in (False, True)),
+        ("_native_batch_norm_legit_no_training", False),
+    ],
+)
+def test_batch_norm_saved_statistics_have_torchs_shapes(name: str, training: bool) -> None:
+    """Not training, torch's kernels save no mean/invstd (shape ``(0,)``); coreshell's
+    override returned shape ``(C,)``."""
+    op = getattr(torch.ops.aten, name)
+
+    def call(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Any:
+        mean, var = torch.zeros(3), torch.ones(3)
+        if name.endswith("no_training"):
+            return op(x, w, b, mean, var, 0.1, 1e-5)
+        return op(x, w, b, mean, var, training, 0.1, 1e-5)
+
+    class Stats(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Any:
+            out, saved_mean, saved_invstd = call(x, w, b)
+            return out, torch.tensor(saved_mean.shape), torch.tensor(saved_invstd.shape)
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 3, 4, generator=g), torch.rand(3, generator=g), torch.zeros(3)
+    want = [t.shape for t in call(x, w, b)]
+    fns = torch_model_fns(Stats(), ("x", "w", "b"))
+    batch = {"x": jnp.asarray(x.numpy()), "w": jnp.asarray(w.numpy()), "b": jnp.zeros(3)}
+    out, mean_shape, invstd_shape = fns.apply({}, {}, batch, jax.random.key(0), False)[0]
+    got = [tuple(out.shape), tuple(np.asarray(mean_shape)), tuple(np.asarray(invstd_shape))]
+    assert got == [tuple(s) for s in want]

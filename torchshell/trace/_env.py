@@ -69,7 +69,7 @@ def environment(reads: Reads) -> Any:
     env = torchax_tensor.Environment()
     ops = [getattr(torch.ops.aten, name).default for name in _BATCH_NORM_OPS]
     for op, impl in get_decompositions(ops).items():
-        env.override_op_definition(op, impl)
+        env.override_op_definition(op, _empty_stats_in_eval(op, impl))
     lowerings = {
         torch.ops.aten.bincount.default: bincount,
         torch.ops.aten._grouped_mm.default: grouped_mm,  # mixture-of-experts layers
@@ -135,6 +135,31 @@ def environment(reads: Reads) -> Any:
     env.override_op_definition(F.ctc_loss, functools.partial(_ctc_loss, env))
     casts_to_long(env)  # y.long() of an int32 batch field: no longer the field (_targets)
     return env
+
+
+def _empty_stats_in_eval(op: Any, impl: Callable[..., Any]) -> Callable[..., Any]:
+    """A batch-norm decomposition whose saved mean and inverse std are empty (shape ``(0,)``)
+    when it does not train, as torch's kernels return them (the decomposition gave ``(C,)``).
+    """
+    training_at = next(
+        (i for i, a in enumerate(op._schema.arguments) if a.name == "training"), None
+    )
+
+    @functools.wraps(impl)
+    def stats(*args: Any, **kwargs: Any) -> Any:
+        out = impl(*args, **kwargs)
+        if training_at is None:  # (_native_batch_norm_legit_no_training)
+            training = False
+        elif len(args) > training_at:
+            training = bool(args[training_at])
+        else:
+            training = bool(kwargs.get("training", False))
+        if training:
+            return out
+        first = out[0]
+        return (first, first.new_empty((0,)), first.new_empty((0,)))
+
+    return stats
 
 
 def _torchaudio_lowerings() -> dict[Any, Callable[..., Any]]:
