@@ -313,13 +313,13 @@ def _checkpoints(cfg: Any, abstract: Any) -> Check:
 
     if cfg.ckpt.every_n_steps <= 0:
         return Check("checkpoints", OK, "off (ckpt.every_n_steps=0)")
-    where = Path(cfg.ckpt.dir).absolute()
+    where = Path(cfg.ckpt.dir or cfg.ckpt.root).absolute()
     existing = next(p for p in (where, *where.parents) if p.exists())
     state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     need = (cfg.ckpt.keep + 1) * state * 1.2  # keep + the one being written, + export
     free = shutil.disk_usage(existing).free
     detail = (
-        f"{cfg.ckpt.dir}: {state / 2**20:.1f} MiB of state per checkpoint, "
+        f"{cfg.ckpt.dir or cfg.ckpt.root}: {state / 2**20:.1f} MiB of state per checkpoint, "
         f"{free / 2**30:.1f} GiB free on {existing}"
     )
     if not os.access(existing, os.W_OK):

@@ -51,17 +51,21 @@ def guarded(command: str, fn: Callable[[], Any]) -> Any:
         raise SystemExit(report(command, err)) from None
 
 
-def _train_task(cfg: Any) -> None:
+def _train_task(cfg: Any, base: Any = None) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from torchshell.app.config import typed
+    from torchshell.app.overrides import run_name
     from torchshell.app.quiet import configure
 
     configure(verbose())
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
 
     def run() -> Any:
         config = typed(cfg)  # a refused config is told before Lightning and MLflow load
+        if not config.tracking.run_name:  # named by what ran, not MLflow's random words
+            config.tracking.run_name = run_name(config, cfg, hydra_cfg.overrides.task, base)
         from torchshell.app.train import train
 
         return train(config, out_dir)
@@ -73,15 +77,18 @@ def _train_main(argv: Sequence[str]) -> None:
     import hydra
 
     from torchshell.app.config import config_dir, register_configs
+    from torchshell.app.overrides import base_config, check_overrides
     from torchshell.app.quiet import configure
 
     configure(verbose())
     register_configs()
+    base = base_config(argv)
+    guarded("train", lambda: check_overrides(argv, base))  # before Hydra's `+key` advice
     started: list[bool] = []
 
     def task(cfg: Any) -> None:
         started.append(True)
-        _train_task(cfg)
+        _train_task(cfg, base)
 
     sys.argv = [f"{Path(sys.argv[0]).name} train", *argv]
     try:

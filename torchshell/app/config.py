@@ -111,9 +111,11 @@ class TrackingConfig:
 
 @dataclass
 class CkptConfig:
-    """Orbax checkpoints of the JAX state with Lightning's loop state, every N steps."""
+    """Orbax checkpoints of the JAX state with Lightning's loop state, every N steps, in
+    ``root/RECIPE-MODEL/RUN`` (each run its own folder), or in ``dir`` when it is set."""
 
-    dir: str = "checkpoints/${tracking.experiment}"
+    root: str = "checkpoints"
+    dir: str | None = None
     every_n_steps: int = 200
     keep: int = 2
 

@@ -129,7 +129,10 @@ def end_summary(
         if not k.startswith(OWN) or k == f"{OWN}train/loss"
     )
     where = f"{cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})"
-    print(f"\nMLflow run {report.run_id} in {where}")
+    name = (
+        f"{cfg.tracking.run_name!r} ({report.run_id})" if cfg.tracking.run_name else report.run_id
+    )
+    print(f"\nMLflow run {name} in {where}")
     if not report.complete:
         print(f"  tracking: {report}")
     print(f"  metrics: {shown}")

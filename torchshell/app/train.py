@@ -21,7 +21,7 @@ import bridge
 import jaxcore
 from torchshell import distributed
 from torchshell._errors import CheckpointError, ConfigError
-from torchshell.app import console
+from torchshell.app import console, run_dirs
 from torchshell.app.config import Config, TrainerConfig, plain
 from torchshell.app.prepare import Prepared, build, prepare_run
 from torchshell.app.publish import predict_test_split, publish
@@ -96,6 +96,17 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
         ``{"run_id", "tracking_uri", "export", "parity_max_abs_diff", "metrics"}``.
     """
     run = prepare_run(cfg)
+    own, ckpt_path = run_dirs.choose(cfg, plain(cfg), out_dir, cfg.resume)
+    cfg.ckpt.dir = own  # the run's own folder (or the resumed run's), from here on
+    done = run_dirs.already_done(ckpt_path, cfg.trainer.max_steps, cfg.trainer.max_epochs)
+    if done is not None:
+        if run.main:
+            print(
+                f"coreshell train: {ckpt_path} is already at step {done} (trainer.max_steps="
+                f"{cfg.trainer.max_steps}): nothing to train. Fix: trainer.max_steps="
+                f"{done + cfg.trainer.max_steps} trains {cfg.trainer.max_steps} more steps."
+            )
+        return {"run_id": None, "tracking_uri": cfg.tracking.uri, "export": None, "metrics": {}}
     resolved = plain(cfg)
     if run.main:  # the run directory is complete for `coreshell export RUN_DIR`
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +115,6 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
     data, module, twin = build(cfg)
     if cfg.step.dump_hlo and run.main:
         module.hlo_dump_dir = out_dir / "hlo"
-    ckpt_path = resume_path(cfg.resume, cfg.ckpt.dir)
     logger = None
     if run.main:
         logger = AsyncMLflowLogger(
