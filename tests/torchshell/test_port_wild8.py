@@ -211,3 +211,33 @@ def test_from_torch_a_loss_of_the_other_kind_is_refused(
     with pytest.raises(ConfigError, match=says) as info:
         _trainer(tmp_path, max_epochs=1).fit(module, _regression())
     assert "Fix:" in str(info.value)
+
+
+class SharedLit(L.LightningModule):
+    """A LightningModule whose encoder layer is also ``self.layers[0]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.layers = nn.Sequential(self.first, nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_from_lightning_a_submodule_under_two_names(tmp_path: Path) -> None:
+    runs = _pair(SharedLit, tmp_path, _table())
+    agree(runs, rtol=1e-4)
+    user = runs["jax"][1]
+    assert user.first is user.layers[0]
+    x = next(iter(_table()))[0]
+    torch.testing.assert_close(user(x), runs["plain"][1](x), rtol=1e-4, atol=1e-5)

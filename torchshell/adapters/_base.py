@@ -59,6 +59,7 @@ from torchshell.adapters._logs import TrainLogs
 from torchshell.adapters._optim import OptaxOptimizer
 from torchshell.adapters._placement import Placement
 from torchshell.adapters._steps import TrainSteps
+from torchshell.adapters._torch_fns import kept_intact
 from torchshell.optim import map_configure_optimizers
 from torchshell.trace._loss import (
     is_torch_loss,
@@ -391,4 +392,4 @@ class TorchAdapter(Adapter):
         keys = tuple(kwargs.get("batch_keys", ("x", "y")))
         names = [keys[i] if isinstance(i, int) else i for i in inputs]
         factory = functools.partial(TorchAdapter, batch_keys=keys, torch_module=module)
-        return torch_model_fns(module, names), optimizer, names, factory
+        return kept_intact(torch_model_fns(module, names), module), optimizer, names, factory

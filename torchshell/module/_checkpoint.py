@@ -17,6 +17,7 @@ import torch
 
 import jaxcore
 import torchshell.checkpoint._state_io as _state_io
+from torchshell.adapters._torch_fns import restore_weights
 from torchshell.checkpoint._orbax import restore_state
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def fit_end(module: JaxModule) -> None:
 def sync_user_weights(module: JaxModule) -> None:
     """The trained weights into the user's torch module, in place (once per state)."""
     user, state = module.torch_module, module.state
+    restore_weights(module.model_fns)  # (shared submodules: the trace's torchax tensors out)
     if user is not None and state is not None and module.held.synced is not state:
         with torch.no_grad():
             user.load_state_dict(module.torch_state_dict(), strict=True)

@@ -26,6 +26,7 @@ from jaxcore import TOTAL, ModelFns
 from jaxcore.guard import checking
 from torchshell import trace as patterns
 from torchshell._errors import ConfigError, TorchModelError
+from torchshell.adapters._torch_fns import intact_tracer
 from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._capture import LogCapture
 from torchshell.port._logs import (
@@ -44,7 +45,6 @@ from torchshell.port._logs import (
     hook_key,
 )
 from torchshell.port._prepare import layers_changed, prepare_module
-from torchshell.torch_model import TorchTracer
 from torchshell.trace._embedding import EVAL_CHECK_KEY, EmbeddingChecks
 from torchshell.trace._static import STATIC_KEY, check_static_reads
 
@@ -85,7 +85,7 @@ class LightningPort(LogCapture):
         self.manual_steps = 1  # opt.step() calls per training_step (global_step's count)
         self.host_reads: dict[str, Any] = {}  # Trainer values it read (port._host_reads)
         prepare_module(module)  # (configure_model, lazy layers: every weight sized)
-        self.tracer = TorchTracer(module)
+        self.tracer = intact_tracer(module)
         # per hook key: the numbers and types of the batch scalars it reads (specialise)
         self.statics: dict[str, tuple[list[int], list[type]]] = {}
         self._static_seen: dict[str, set[tuple[int, ...]]] = {}
@@ -104,7 +104,7 @@ class LightningPort(LogCapture):
         layers; before the first step only. Whether it did."""
         if not layers_changed(self.module, self.tracer):
             return False
-        self.tracer = TorchTracer(self.module)
+        self.tracer = intact_tracer(self.module)
         self.embeddings.install(self.tracer.env, self.module)
         return True
 
