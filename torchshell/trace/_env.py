@@ -25,7 +25,7 @@ from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._func import traced_gradients
 from torchshell.trace._hf import uncached
 from torchshell.trace._host_random import host_random_refused
-from torchshell.trace._inplace import written_through_views
+from torchshell.trace._inplace import install_inplace, written_through_views
 from torchshell.trace._kinks import kink_lowerings
 from torchshell.trace._lowerings import (
     WINDOWS,
@@ -123,6 +123,7 @@ def environment(reads: Reads) -> Any:
     )
     # adaptive max pooling, cummax/cummin, rrelu, normal_/uniform_; matmul/conv dtypes
     install_ops(env)
+    install_inplace(env)  # fill_diagonal_ (torchax: the tensor unchanged)
     scalar_reads(env, reads)
     # in-place ops on a slice (``bias[C:2*C].zero_()``) write through to the sliced tensor
     # ... under the user's own torch.autocast regions (torchax keeps its own autocast dtype)

@@ -20,7 +20,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+
+from torchshell._errors import TorchModelError
 
 
 def _overload(func: Any) -> torch._ops.OpOverload | None:
@@ -84,3 +87,59 @@ def written_through_views(env: Any) -> Callable[..., Any]:
         return dispatch(func, types, args, kwargs)
 
     return through
+
+
+def _diagonal_mask(shape: tuple[int, ...], wrap: bool) -> np.ndarray:
+    """Where ``Tensor.fill_diagonal_`` writes, as torch's kernel: ``(i, i, ...)`` for ``i``
+    below the smallest size, and for a tall 2-D tensor with ``wrap`` (``h > w + 1``) every
+    ``w + 1``-th element of the flattened tensor after them too."""
+    if len(shape) < 2 or (len(shape) > 2 and len(set(shape)) != 1):
+        raise TorchModelError(
+            f"Tensor.fill_diagonal_ on a tensor of shape {tuple(shape)}: torch needs at "
+            "least 2 dimensions, all of equal length beyond 2. Fix: fill the diagonal of a "
+            "matrix (or of a cube with equal sides)."
+        )
+    mask = np.zeros(shape, bool)
+    n = min(shape)
+    mask[(np.arange(n),) * len(shape)] = True
+    h, w = shape[0], shape[-1]
+    if wrap and len(shape) == 2 and h > w + 1:
+        mask.reshape(-1)[:: w + 1] = True
+    return mask
+
+
+def fill_diagonal(x: Any, fill_value: Any, wrap: bool = False) -> Any:
+    """``Tensor.fill_diagonal_(fill_value, wrap)``'s new values (a JAX array): torchax 0.0.13
+    ran torch's kernel on a strided copy and left the tensor unchanged, silently (an NT-Xent
+    loss's ``sim.fill_diagonal_(-inf)``: the diagonal stayed in the softmax).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> fill_diagonal(jnp.zeros((5, 3)), 1.0, wrap=True).nonzero()[0].tolist()
+        [0, 1, 2, 4]
+    """
+    import jax
+    import jax.numpy as jnp
+
+    mask = jnp.asarray(_diagonal_mask(tuple(x.shape), bool(wrap)))
+    value = jnp.asarray(fill_value).astype(x.dtype)
+    return jnp.where(mask, value, x) if isinstance(x, jax.Array) else x
+
+
+def install_inplace(env: Any) -> None:
+    """Registers the in-place ops above (torchax has none, or one that drops the write)."""
+    from torchax.ops import op_base, ops_registry
+
+    ops: dict[Any, Callable[..., Any]] = {
+        torch.ops.aten.fill_diagonal_.default: fill_diagonal,
+        torch.Tensor.fill_diagonal_: fill_diagonal,  # (torchax sees the method first)
+    }
+    for op, func in ops.items():
+        env._ops[op] = ops_registry.Operator(
+            op,
+            op_base.InplaceOp(func, is_jax_func=True),
+            is_jax_function=False,
+            is_user_defined=True,
+            needs_env=False,
+            is_view_op=True,
+        )
