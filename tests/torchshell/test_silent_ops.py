@@ -189,3 +189,37 @@ def test_fill_diagonal_writes_the_diagonal(name: str, op: Any, shape: tuple[int,
     """torchax 0.0.13 left the tensor unchanged (SimCLR's NT-Xent: 5.5008 for 5.4810)."""
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     assert not _differences(op, [x])
+
+
+@pytest.mark.parametrize(
+    "to",
+    [
+        lambda a: a.to("cpu", torch.float64),
+        lambda a: a.to(device="cpu", dtype=torch.float64),
+        lambda a: a.to(torch.device("cpu"), torch.float16),
+        lambda a: a.to("cpu"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")  # (JAX's x64 off)
+def test_to_a_device_and_dtype_traces(to: Any) -> None:
+    """``x.to("cpu", torch.float64)`` was refused as reading the weight as a Python number
+    (torchax copied it to a torch CPU tensor); the device is JAX's, as for ``x.cpu()``."""
+    x = torch.randn(4, generator=torch.Generator().manual_seed(0))
+    assert not _differences(lambda a: to(a * 2).float() * a, [x], rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "take",
+    [
+        lambda a, i: torch.take_along_dim(a, i, 1),
+        lambda a, i: torch.take_along_dim(a, i.long(), dim=-1),
+        lambda a, i: a.take_along_dim(i[:1], 1),  # broadcast over rows
+        lambda a, i: torch.take_along_dim(a, i),  # the flattened input
+    ],
+)
+def test_take_along_dim_takes_batch_indices(take: Any) -> None:
+    """int64 indices from the batch reach the step as int32: torch's check refused them
+    ('indices should be Long but got Int'), and the suggested ``.long()`` did not help."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([[0, 2], [1, 0], [2, 2]])
+    assert not _differences(take, [torch.randn(3, 3, generator=g)], (idx,))

@@ -135,6 +135,7 @@ def environment(reads: Reads) -> Any:
     env.override_op_definition(torch._C.TensorBase.cpu, lambda t, *args, **kwargs: t)
     env.override_op_definition(F.ctc_loss, functools.partial(_ctc_loss, env))
     casts_to_long(env)  # y.long() of an int32 batch field: no longer the field (_targets)
+    _device_kept(env)  # x.to("cpu", torch.float64): the dtype cast, the tensor traced
     return env
 
 
@@ -161,6 +162,25 @@ def _empty_stats_in_eval(op: Any, impl: Callable[..., Any]) -> Callable[..., Any
         return (first, first.new_empty((0,)), first.new_empty((0,)))
 
     return stats
+
+
+def _device_kept(env: Any) -> None:
+    """``x.to("cpu", dtype)`` / ``x.to(device="cpu")`` of a traced tensor casts the dtype and
+    keeps the tensor traced, as ``x.cpu()`` (above): in the compiled step the device is JAX's.
+    torchax copied it to a torch CPU tensor, which reads a traced value: refused as reading
+    a weight as a Python number."""
+    from torchax.tensor import Tensor
+    from torchax.view import View
+
+    to_copy = env._to_copy
+
+    def copy(the_tensor: Any, new_dtype: Any, new_device: Any) -> Any:
+        device = getattr(new_device, "type", new_device)
+        if isinstance(the_tensor, Tensor | View) and device == "cpu":
+            new_device = None
+        return to_copy(the_tensor, new_dtype, new_device)
+
+    env._to_copy = copy
 
 
 def _torchaudio_lowerings() -> dict[Any, Callable[..., Any]]:

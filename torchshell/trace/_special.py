@@ -185,4 +185,35 @@ def special_lowerings() -> dict[Any, Callable[..., Any]]:
         aten.special_log_ndtr.default: log_ndtr,
         aten._safe_softmax.default: safe_softmax,
         aten.linalg_lstsq.default: lstsq,
+        aten.take_along_dim.default: take_along_dim,
+        torch.take_along_dim: take_along_dim,  # (torch checks Long before its aten op)
+        torch.Tensor.take_along_dim: take_along_dim,
     }
+
+
+def take_along_dim(x: jax.Array, indices: jax.Array, dim: int | None = None) -> jax.Array:
+    """``torch.take_along_dim`` on indices of any integer dtype: a batch field's int64
+    indices reach the step as int32 (JAX's x64 off), which torch's own check refused
+    ("indices should be Long but got Int"), and ``.long()`` keeps them int32.
+
+    Example:
+        >>> take_along_dim(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[1], [0]]), 1).tolist()
+        [[2.0], [3.0]]
+    """
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        from torchshell._errors import TorchModelError
+
+        raise TorchModelError(
+            f"torch.take_along_dim: indices of dtype {indices.dtype}; torch needs integer "
+            "indices (it raises 'dtype of indices should be Long'). Fix: pass integer indices."
+        )
+    if dim is None:
+        return jnp.take_along_axis(x.reshape(-1), indices.reshape(-1), axis=0)
+    axis = int(dim) % max(x.ndim, 1)
+    lead = jnp.broadcast_shapes(
+        (*x.shape[:axis], 1, *x.shape[axis + 1 :]),
+        (*indices.shape[:axis], 1, *indices.shape[axis + 1 :]),
+    )
+    x = jnp.broadcast_to(x, (*lead[:axis], x.shape[axis], *lead[axis + 1 :]))
+    indices = jnp.broadcast_to(indices, (*lead[:axis], indices.shape[axis], *lead[axis + 1 :]))
+    return jnp.take_along_axis(x, indices, axis=axis)
