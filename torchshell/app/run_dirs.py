@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torchshell._errors import ConfigError
-from torchshell.checkpoint import latest_checkpoint
+from torchshell._errors import CheckpointError, ConfigError
+from torchshell.checkpoint import latest_checkpoint, verify
 
 #: The model keys that decide the params a checkpoint holds.
 _SHAPES = ("flax", "torch", "lightning")
@@ -102,6 +102,33 @@ def _newest_of_model(folder: Path, resolved: dict[str, Any]) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
+def resume_path(resume: str | None, ckpt_dir: str) -> str | None:
+    """The checkpoint to resume from: None (a new run), the newest intact one, or a path.
+
+    Example:
+        >>> resume_path(None, "checkpoints") is None
+        True
+    """
+    if resume in (None, "", "null"):
+        return None
+    if resume == "last":
+        found = latest_checkpoint(ckpt_dir)
+        if found is None:
+            print(
+                f"coreshell: resume=last but no intact checkpoint in {ckpt_dir}: "
+                "starting a new run."
+            )
+        return None if found is None else str(found)
+    problem = verify(Path(resume))
+    if problem is not None:
+        raise CheckpointError(
+            f"resume={resume} is not an intact checkpoint: {problem}. Fix: pass a "
+            f"checkpoint directory, or resume=last to take the newest intact one in "
+            f"ckpt.dir ({ckpt_dir})."
+        )
+    return str(resume)
+
+
 def choose(
     cfg: Any, resolved: dict[str, Any], out_dir: Path, resume: str | None
 ) -> tuple[str, str | None]:
@@ -110,8 +137,6 @@ def choose(
     Raises:
         ConfigError: the checkpoint to resume holds another model (nothing was loaded).
     """
-    from torchshell.app.train import resume_path
-
     explicit = cfg.ckpt.dir not in (None, "", "null")
     key = Path(cfg.ckpt.root) / recipe_key(cfg)
     own = str(cfg.ckpt.dir) if explicit else str(key / run_folder(out_dir))

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from torchshell._errors import ConfigError
+from torchshell.app.stopping import run_whole, stop_signals
 
 FRAME_STEP = 64  # features are padded to a multiple of this many frames: few compiled shapes
 STUB_PACKAGES = ("numpy<2", "pyzmq")
@@ -314,6 +315,14 @@ def serve_command(argv: list[str]) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC port")
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow store")
     args = parser.parse_args(argv)
+    try:  # SIGTERM as SIGINT: the server's process group stopped, the temporary folder removed
+        with stop_signals():
+            return _serve(args)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as work:
         if args.triton:
             from torchshell.app.export_cli import resolve_source
@@ -328,8 +337,7 @@ def serve_command(argv: list[str]) -> int:
                     "spoken_digits/infer (Ctrl-C stops)",
                     file=sys.stderr,
                 )
-                with contextlib.suppress(KeyboardInterrupt):
-                    triton.serve()
+                triton.serve()
             return 0
         uri = model_uri(args.source, args.tracking_uri, Path(work))
         cmd = [
@@ -353,6 +361,4 @@ def serve_command(argv: list[str]) -> int:
         print(
             f"coreshell serve: {uri} at http://{args.host}:{args.port}/invocations", file=sys.stderr
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            return subprocess.run(cmd, env=env).returncode
-    return 0
+        return run_whole(cmd, env)

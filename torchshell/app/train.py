@@ -20,12 +20,13 @@ from omegaconf import OmegaConf
 import bridge
 import jaxcore
 from torchshell import distributed
-from torchshell._errors import CheckpointError, ConfigError
+from torchshell._errors import ConfigError
 from torchshell.app import console, run_dirs
 from torchshell.app.config import Config, TrainerConfig, plain
 from torchshell.app.prepare import Prepared, build, prepare_run
 from torchshell.app.publish import predict_test_split, publish
-from torchshell.checkpoint import CheckpointOnSigterm, OrbaxCheckpointIO, latest_checkpoint, verify
+from torchshell.app.run_dirs import resume_path
+from torchshell.checkpoint import CheckpointOnSigterm, OrbaxCheckpointIO
 from torchshell.data import stop_workers
 from torchshell.export import export_twin
 from torchshell.module import JaxModule
@@ -56,33 +57,6 @@ def _export_hook(resolved: dict[str, Any], module: JaxModule, twin: torch.nn.Mod
         (directory / "config.yaml").write_text(config_yaml, encoding="utf-8")
 
     return export
-
-
-def resume_path(resume: str | None, ckpt_dir: str) -> str | None:
-    """The checkpoint to resume from: None (a new run), the newest intact one, or a path.
-
-    Example:
-        >>> resume_path(None, "checkpoints") is None
-        True
-    """
-    if resume in (None, "", "null"):
-        return None
-    if resume == "last":
-        found = latest_checkpoint(ckpt_dir)
-        if found is None:
-            print(
-                f"coreshell: resume=last but no intact checkpoint in {ckpt_dir}: "
-                "starting a new run."
-            )
-        return None if found is None else str(found)
-    problem = verify(Path(resume))
-    if problem is not None:
-        raise CheckpointError(
-            f"resume={resume} is not an intact checkpoint: {problem}. Fix: pass a "
-            f"checkpoint directory, or resume=last to take the newest intact one in "
-            f"ckpt.dir ({ckpt_dir})."
-        )
-    return str(resume)
 
 
 def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
