@@ -56,20 +56,15 @@ from torchshell.adapters._flax_checks import check_batch
 from torchshell.adapters._form import BatchForm
 from torchshell.adapters._hooks import ModuleHooks
 from torchshell.adapters._logs import TrainLogs
+from torchshell.adapters._losses import step_loss
 from torchshell.adapters._optim import OptaxOptimizer
 from torchshell.adapters._placement import Placement
 from torchshell.adapters._steps import TrainSteps
 from torchshell.adapters._torch_fns import kept_intact
 from torchshell.optim import map_configure_optimizers
-from torchshell.trace._loss import (
-    is_torch_loss,
-    torch_function_loss,
-    torch_loss_fn,
-    written_in_torch,
-)
 from torchshell.trace._static import specialise_batch
 
-__all__ = ["Adapter", "FlaxAdapter", "TorchAdapter"]
+__all__ = ["Adapter", "FlaxAdapter", "TorchAdapter", "step_loss"]
 
 
 def input_names(inputs: Sequence[str | int], batch_keys: Sequence[str]) -> list[str]:
@@ -102,19 +97,6 @@ def model_functions(model: Any, names: Sequence[str]) -> jaxcore.ModelFns:
     if isinstance(model, nnx.Module):  # Flax NNX: params as a plain nested dict
         return jaxcore.nnx_model(model, list(names))
     return jaxcore.linen_model(model, list(names))
-
-
-def step_loss(
-    loss_fn: Any, names: Sequence[str], batch_keys: Sequence[str], *, per_row: bool
-) -> Any:
-    """The loss as the step calls it: a torch loss run by torchax, or a JAX loss evaluated per
-    row when ``per_row`` (a JAX loss may return batch means, or no metrics)."""
-    label = next((k for k in batch_keys if k not in names), "y")
-    if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
-        return torch_loss_fn(loss_fn, label_key=label, inputs=list(names))
-    if written_in_torch(loss_fn):  # the team's own def loss(out, y): F.... (torchax)
-        return torch_function_loss(loss_fn, label_key=label, inputs=list(names))
-    return jaxcore.per_example(loss_fn) if per_row else loss_fn
 
 
 class Adapter:
