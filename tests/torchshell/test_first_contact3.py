@@ -104,6 +104,8 @@ def test_an_unknown_key_is_refused_with_the_keys_and_never_advises_plus(tmp_path
         (["trainer.max_stepz=5"], ["Did you mean trainer.max_steps?", "log_every_n_steps"]),
     ]
     cmds = [(tmp_path, ["train", "data=digits", *argv]) for argv, _ in cases]
+    cases.append((["+optim.lrr=1"], ["coreshell doctor: ConfigError", "Did you mean optim.lr?"]))
+    cmds.append((tmp_path, ["doctor", "data=digits", "+optim.lrr=1"]))  # doctor refuses it too
     for (argv, needles), proc in zip(cases, run_cli_forked(cmds, tmp_path / "forked"), strict=True):
         text = proc.stdout + proc.stderr
         assert proc.returncode == 2, (argv, text[-2000:])

@@ -171,8 +171,13 @@ def doctor_command(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from torchshell.app.overrides import base_config, check_overrides
+
     try:
+        check_overrides(argv, base_config(argv))  # an unknown key, a +key none reads: as train
         cfg = compose_config(argv)
+    except our_errors() as err:
+        return report("doctor", err)
     except (HydraException, OmegaConfBaseException) as err:
         print(
             f"coreshell doctor: the config does not compose with {argv}: {err}\nFix: check "
