@@ -223,3 +223,63 @@ def test_take_along_dim_takes_batch_indices(take: Any) -> None:
     g = torch.Generator().manual_seed(0)
     idx = torch.tensor([[0, 2], [1, 0], [2, 2]])
     assert not _differences(take, [torch.randn(3, 3, generator=g)], (idx,))
+
+
+def _in_place(f: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    def run(a: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        b = a.clone()
+        f(b, *rest)
+        return b
+
+    return run
+
+
+_ZERO_D = torch.tensor(2.0), torch.tensor(3.0)
+
+
+@pytest.mark.parametrize(
+    ("op", "params"),
+    [
+        # on a 0-d tensor torch's decompositions wrote into a copy (the tensor unchanged)
+        (_in_place(lambda b: b.index_fill_(0, torch.tensor(0), -1.0)), _ZERO_D[:1]),
+        (_in_place(lambda b, s: b.index_copy_(0, torch.tensor([0]), s)), _ZERO_D),
+        (_in_place(lambda b, s: b.index_add_(0, torch.tensor([0]), s, alpha=2)), _ZERO_D),
+        # refused before: polygamma_ reached torchax's polygamma with its arguments swapped,
+        # mvlgamma_ an op torchax has no lowering for
+        (_in_place(lambda b: b.polygamma_(2)), (torch.tensor([0.5, -2.3, 4.0]),)),
+        (_in_place(lambda b: b.mvlgamma_(3)), (torch.tensor([1.5, 2.3, 7.0]),)),
+    ],
+)
+def test_in_place_ops_torchax_dropped_equal_torch(
+    op: Any, params: tuple[torch.Tensor, ...]
+) -> None:
+    assert not _differences(op, list(params))
+
+
+def test_cauchy_and_random_draw_from_the_step_key() -> None:
+    """``cauchy_`` left the tensor unchanged; ``random_`` drew floats where torch draws
+    integers in ``[from, to)``."""
+
+    class Draws(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return (
+                x.clone().cauchy_(1.0, 2.0),
+                x.clone().random_(3, 7),
+                x.clone().random_(5),
+                x.clone().random_(),
+            )
+
+    fns = torch_model_fns(Draws(), ("x",))
+    batch = {"x": jnp.zeros(4000)}
+    first, second = (
+        [np.asarray(o) for o in fns.apply({}, {}, batch, jax.random.key(k), True)[0]]
+        for k in (0, 1)
+    )
+    cauchy, between, below, any_ = first
+    assert not np.allclose(cauchy, second[0])  # a new draw each step
+    assert abs(np.median(cauchy) - 1.0) < 0.2  # median 1, half-width 2
+    assert abs(np.quantile(cauchy, 0.75) - np.quantile(cauchy, 0.25) - 4.0) < 0.6
+    assert set(np.unique(between)) == {3.0, 4.0, 5.0, 6.0}
+    assert set(np.unique(below)) == {0.0, 1.0, 2.0, 3.0, 4.0}
+    assert (any_ == np.round(any_)).all() and any_.min() >= 0 and any_.max() <= 2**24
+    assert any_.max() > 2**23

@@ -52,6 +52,13 @@ def _out_of_place(func: Any) -> torch._ops.OpOverload | None:
     return twin if isinstance(twin, torch._ops.OpOverload) else None
 
 
+# in-place ops whose out-of-place twin takes its arguments in another order
+_OWN_ORDER = (torch.ops.aten.polygamma_.default,)
+# in-place ops torchax decomposes into an op it has no lowering for (``mvlgamma_``:
+# ``special_multigammaln.out``): their out-of-place twin and ``copy_``
+_VIA_TWIN = (torch.ops.aten.mvlgamma_.default,)
+
+
 def written_through_views(env: Any) -> Callable[..., Any]:
     """``env.dispatch`` (torchax's, one torch op) where an in-place op on a ``View`` runs on
     the view's values and the result is written back through the view to its base tensor,
@@ -72,8 +79,13 @@ def written_through_views(env: Any) -> Callable[..., Any]:
     def through(func: Any, types: Any, args: Any, kwargs: Any = None) -> Any:
         if not (args and _mutates_self(func)):
             return dispatch(func, types, args, kwargs)
-        fresh = isinstance(args[0], torch.Tensor) and not lowered(func)
-        twin = _out_of_place(func) if fresh else None
+        # a 0-d tensor too: torch's decompositions of ``index_add_``/``index_copy_``/
+        # ``index_fill_`` write into ``self.unsqueeze(0)``, a copy in torchax (dropped)
+        scalar = isinstance(args[0], torch.Tensor) and args[0].ndim == 0
+        fresh = isinstance(args[0], torch.Tensor) and (
+            scalar or func in _VIA_TWIN or not lowered(func)
+        )
+        twin = _out_of_place(func) if fresh and func not in _OWN_ORDER else None
         if twin is not None:
             value = dispatch(twin, types, args, kwargs)
             dispatch(torch.ops.aten.copy_.default, types, (args[0], value), {})
@@ -126,12 +138,46 @@ def fill_diagonal(x: Any, fill_value: Any, wrap: bool = False) -> Any:
     return jnp.where(mask, value, x) if isinstance(x, jax.Array) else x
 
 
+def _drawn(env: Any) -> dict[str, Callable[..., Any]]:
+    """``cauchy_`` (torchax: the tensor unchanged) and ``random_`` (torchax: floats where
+    torch draws integers) from the step's key."""
+    import jax
+    import jax.numpy as jnp
+
+    def cauchy(x: Any, median: float = 0.0, sigma: float = 1.0, *, generator: Any = None) -> Any:
+        key = env.get_and_rotate_prng_key(generator)
+        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+        draw = jax.random.cauchy(key, x.shape, dtype) * float(sigma) + float(median)
+        return draw.astype(x.dtype)
+
+    def random(x: Any, low: Any = 0, high: Any = None, *, generator: Any = None) -> Any:
+        if high is None:  # [low, 2^digits] as torch (a float's mantissa's integers)
+            floating = jnp.issubdtype(x.dtype, jnp.floating)
+            digits = jnp.finfo(x.dtype).nmant + 1 if floating else 31
+            high = 2 ** min(digits, 31) + (1 if floating else 0)
+        key = env.get_and_rotate_prng_key(generator)
+        draw = jax.random.randint(key, x.shape, int(low), int(high), jnp.int32)
+        return draw.astype(x.dtype)
+
+    def random_to(x: Any, high: Any, *, generator: Any = None) -> Any:
+        return random(x, 0, high, generator=generator)
+
+    return {"cauchy": cauchy, "random": random, "random_to": random_to}
+
+
 def install_inplace(env: Any) -> None:
     """Registers the in-place ops above (torchax has none, or one that drops the write)."""
     from torchax.ops import op_base, ops_registry
 
+    from torchshell.trace._special import polygamma
+
     ops: dict[Any, Callable[..., Any]] = {
+        torch.ops.aten.polygamma_.default: lambda x, n: polygamma(n, x),  # (self first)
         torch.ops.aten.fill_diagonal_.default: fill_diagonal,
+        torch.ops.aten.cauchy_.default: _drawn(env)["cauchy"],
+        torch.ops.aten.random_.default: _drawn(env)["random"],
+        getattr(torch.ops.aten.random_, "from"): _drawn(env)["random"],
+        torch.ops.aten.random_.to: _drawn(env)["random_to"],
         torch.Tensor.fill_diagonal_: fill_diagonal,  # (torchax sees the method first)
     }
     for op, func in ops.items():

@@ -178,6 +178,7 @@ def special_lowerings() -> dict[Any, Callable[..., Any]]:
     aten = torch.ops.aten
     return {
         aten.polygamma.default: polygamma,
+        aten.polygamma: polygamma,  # (torchax's, on the packet, took (x, n): n an array)
         aten.special_polygamma.default: polygamma,
         aten.digamma.default: _digamma,
         aten.special_digamma.default: _digamma,
