@@ -76,3 +76,39 @@ def test_sigterm_stops_the_server_and_its_workers_and_removes_temp_folders(tmp_p
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_a_refused_request_names_the_fault_first_and_echoes_at_most_200_characters():
+    """Through MLflow's own scoring function (``mlflow models serve`` runs it per request):
+    it prefixed the refusal with the whole request (a 0.06 s clip: 17,000 characters)."""
+    import json
+
+    import numpy as np
+    from mlflow.exceptions import MlflowException
+    from mlflow.pyfunc.scoring_server import invocations
+
+    from torchshell.app.waveform_model import ECHO, validated
+
+    spec = {"sample_rate": 16000, "min_samples": 3200, "max_samples": 80000}
+
+    class Served:
+        metadata = None
+
+        def predict(self, data, params=None):
+            return validated(data, spec)
+
+    clip = np.random.default_rng(0).random(960).tolist()
+    body = json.dumps({"inputs": {"waveform": [clip], "lengths": [960]}})
+    try:
+        invocations(body, "application/json", Served(), None)
+    except MlflowException as err:
+        reply = json.loads(err.serialize_as_json())
+    else:
+        raise AssertionError("a 0.06 s clip was served")
+    message = reply["message"]
+    assert reply["error_code"] == "INVALID_PARAMETER_VALUE"
+    assert message.startswith("Clip 0 has lengths[0]=960 samples (0.060 s)"), message[:300]
+    fix = message.index("Fix:")
+    request = message[fix:].partition(" Request: ")[2]
+    assert request and len(request.partition("...")[0]) <= ECHO, message
+    assert len(message) < fix + 400, len(message)

@@ -33,8 +33,34 @@ FORMAT = (
 )
 
 
+#: The most characters of the request a refusal repeats.
+ECHO = 200
+
+
+class RequestRefused(MlflowException):
+    """A refused request (HTTP 400): the fault and the fix first, then at most :data:`ECHO`
+    characters of the request. MLflow's scoring server prefixes every ``MlflowException`` of
+    ``predict`` with ``Failed to predict data '<the whole request>'`` (4,845 characters of
+    samples before the fix for a short clip); that prefix is folded in here, cut short."""
+
+    @property
+    def message(self) -> str:  # type: ignore[override]
+        return self._message
+
+    @message.setter
+    def message(self, value: str) -> None:
+        own = getattr(self, "_message", None)
+        if own is None or value == own or not value.endswith(own):
+            self._message = value
+            return
+        echo = value[: -len(own)].removeprefix("Failed to predict data '")
+        echo = echo.removesuffix("'. \nError: ")
+        cut = echo if len(echo) <= ECHO else f"{echo[:ECHO]}... ({len(echo):,} characters)"
+        self._message = f"{own} Request: {cut}"
+
+
 def _refuse(message: str) -> MlflowException:
-    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+    return RequestRefused(message, error_code=INVALID_PARAMETER_VALUE)
 
 
 def validated(model_input: Any, spec: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
