@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from torchshell._errors import TorchModelError
 from torchshell.torch_model import torch_model_fns
 
 
@@ -283,3 +284,27 @@ def test_cauchy_and_random_draw_from_the_step_key() -> None:
     assert set(np.unique(below)) == {0.0, 1.0, 2.0, 3.0, 4.0}
     assert (any_ == np.round(any_)).all() and any_.min() >= 0 and any_.max() <= 2**24
     assert any_.max() > 2**23
+
+
+@pytest.mark.parametrize(
+    "resize",
+    [
+        lambda b: b.resize_(2, 3),
+        lambda b: b.resize_((12,)),
+        lambda b: b.resize_(torch.Size([4, 3])),
+    ],
+)
+def test_resize_to_fewer_elements_equals_torch(resize: Any) -> None:
+    """torchax kept the old shape (``resize_`` of (5, 5, 5) to (25, 5): unchanged)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    assert not _differences(lambda a: resize(a.detach().clone()) * a.sum(), [x])
+
+
+def test_resize_to_more_elements_is_refused() -> None:
+    class Grow(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.clone().resize_(4, 4)
+
+    fns = torch_model_fns(Grow(), ("x",))
+    with pytest.raises(TorchModelError, match=r"resize_\(4, 4\).*Fix:"):
+        fns.apply({}, {}, {"x": jnp.zeros((3, 4))}, jax.random.key(0), True)

@@ -165,6 +165,27 @@ def _drawn(env: Any) -> dict[str, Callable[..., Any]]:
     return {"cauchy": cauchy, "random": random, "random_to": random_to}
 
 
+def resize_(t: Any, *size: Any, memory_format: Any = None) -> Any:
+    """``Tensor.resize_(*size)`` to as many elements or fewer: the first ones, in the new
+    shape (torchax kept the old shape, silently); to more (torch leaves the new ones
+    uninitialised) or on a view, refused."""
+    from torchax.view import View
+
+    shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+    shape = tuple(int(n) for n in shape)
+    count = int(np.prod(shape))
+    if isinstance(t, View) or count > t._elem.size:
+        where = "a view (a slice)" if isinstance(t, View) else f"shape {tuple(t.shape)}"
+        raise TorchModelError(
+            f"Tensor.resize_{shape} of a tensor of {where}: a traced tensor can only be "
+            "resized to as many elements or fewer, and not through a view (torch leaves "
+            "added elements uninitialised). Fix: build the new tensor (torch.zeros(...) or "
+            "x.reshape(-1)[:n].reshape(...)) instead of resizing in place."
+        )
+    t._elem = t._elem.reshape(-1)[:count].reshape(shape)
+    return t
+
+
 def install_inplace(env: Any) -> None:
     """Registers the in-place ops above (torchax has none, or one that drops the write)."""
     from torchax.ops import op_base, ops_registry
@@ -180,6 +201,15 @@ def install_inplace(env: Any) -> None:
         torch.ops.aten.random_.to: _drawn(env)["random_to"],
         torch.Tensor.fill_diagonal_: fill_diagonal,  # (torchax sees the method first)
     }
+    for resize in (torch.ops.aten.resize_.default, torch.Tensor.resize_):
+        env._ops[resize] = ops_registry.Operator(
+            resize,
+            resize_,
+            is_jax_function=False,
+            is_user_defined=True,
+            needs_env=False,
+            is_view_op=True,
+        )
     for op, func in ops.items():
         env._ops[op] = ops_registry.Operator(
             op,
