@@ -2,7 +2,7 @@
 # TPU readiness in one run (one TPU v5e chip; < 9 min: every stage under its own limit and all
 # of them inside one budget, TPU_SH_BUDGET=520 s after the install), one table at the end.
 # A stage that fails or runs out of time is a FAILED row (its log's tail printed under the
-# table) and the others still run; rows are printed as each stage finishes.
+# table) and the others still run; each stage's output (its rows) shows as it runs.
 #   1. encoder: a Whisper-base-sized encoder (d=512 x6, 1,500 frames, B=16, bf16) as a pure
 #      Flax step, through JaxModule, through from_torch (gpu_encoder.py);
 #   2. models: Whisper-base encoder classifier, ViT-B/16 and GPT-2 small, each a team's
@@ -88,7 +88,6 @@ stage() {
   timeout "$limit" "$@" 2>&1 | tee "$WORK/$name.txt" >&2 || rc=$?
   echo "$rc" > "$WORK/$name.rc"
   echo "[$((SECONDS - START)) s] $name: exit $rc" >&2
-  grep "^| " "$WORK/$name.txt" | grep -v "^| benchmark" || true  # its rows, as they finish
 }
 
 stage models 240 "$PY" benchmarks/tpu_models.py "${MODELS[@]}" --json "$WORK/models.json"

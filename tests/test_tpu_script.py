@@ -37,7 +37,8 @@ def test_tpu_script_dry_run_prints_every_row() -> None:
     assert out.count("| benchmark | case | metric |") == 1
     assert re.search(r"load average [\d.]+/[\d.]+/[\d.]+", out)
     assert "FAILED" not in out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    table = out.split("| benchmark | case | metric |", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     encoder = [r for r in rows if r.startswith("| gpu encoder d=32")]
     assert len(encoder) == 3 and any("from_torch" in r for r in encoder)
     for model in ("Whisper-base encoder", "ViT-B/16", "GPT-2 small"):

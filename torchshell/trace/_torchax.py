@@ -7,7 +7,9 @@ autocast policies, ``torchax/decompositions.py``'s decomposition list): for exam
 dimension overloads, so ``import torchax`` stops with ``AttributeError: The underlying op of
 'aten.prod' has no overload name 'dim_Dimname'`` and nothing can be traced.
 
-Here, while torchax's own modules execute (and only then), an overload the running torch
+Here, while torchax's own modules execute (and only then: ``torchax.decompositions`` is
+imported lazily, when the first ``Environment`` is built, so every torchax module counts), an
+overload the running torch
 lacks reads as an inert :class:`MissingOverload` key instead of raising: a table entry for an
 op that cannot be dispatched anyway, never called. Everything else behaves as before: the
 first attribute error outside torchax's import, or for a private name, still raises.
@@ -88,8 +90,8 @@ def tolerant_overloads() -> Iterator[list[MissingOverload]]:
 
 
 class _TolerantLoader(importlib.abc.Loader):
-    """Runs torchax's package module (and the submodules it imports) under
-    :func:`tolerant_overloads`."""
+    """Runs a torchax module under :func:`tolerant_overloads` (every one: torchax imports
+    some lazily, e.g. ``torchax.decompositions`` when its first ``Environment`` is built)."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self._loader = loader
@@ -104,12 +106,13 @@ class _TolerantLoader(importlib.abc.Loader):
 
 
 class _TorchaxFinder(importlib.abc.MetaPathFinder):
-    """Finds ``torchax`` as the other finders do, and hands it :class:`_TolerantLoader`."""
+    """Finds ``torchax`` and its modules as the other finders do, and hands each a
+    :class:`_TolerantLoader`."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "torchax":
+        if fullname != "torchax" and not fullname.startswith("torchax."):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -122,15 +125,14 @@ class _TorchaxFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Puts the torchax import hook first on ``sys.meta_path`` (once; no-op once torchax
-    is imported).
+    """Puts the torchax import hook first on ``sys.meta_path`` (once).
 
     Example:
         >>> install(); install()
         >>> sum(isinstance(f, _TorchaxFinder) for f in sys.meta_path) <= 1
         True
     """
-    if "torchax" in sys.modules or any(isinstance(f, _TorchaxFinder) for f in sys.meta_path):
+    if any(isinstance(f, _TorchaxFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _TorchaxFinder())
 
