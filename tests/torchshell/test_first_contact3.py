@@ -3,15 +3,18 @@ what ran, config errors in coreshell's own voice (through the real CLI, tiny dig
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import mlflow
 import pytest
+import yaml
 
 from benchmarks._runs import cli_module, quiet_env
 from tests.helpers import run_cli_forked
+from torchshell.checkpoint._files import write_manifest
 
 TINY = [
     "data=digits",
@@ -80,17 +83,27 @@ def test_a_checkpoint_of_another_model_is_refused_before_loading(sweep, tmp_path
     tmp, _ = sweep
     shared = tmp / "checkpoints" / "digits-mlp" / "multirun_sweep_1"
     wider = [a.replace("[16]", "[24]") for a in TINY]
+    # the case: a spoken-digits checkpoint (its config.yaml says so) under digits
+    speech = tmp_path / "speech" / "epoch=21-step=1000.ckpt"
+    shutil.copytree(shared / "epoch=1-step=20.ckpt", speech)
+    saved = yaml.safe_load((speech / "config.yaml").read_text())
+    saved["model"]["recipe"] = "spoken_digits"
+    saved["model"]["flax"] = {"_target_": "jaxcore.models.spoken_digits.Encoder", "dim": 64}
+    (speech / "config.yaml").write_text(yaml.safe_dump(saved))
+    write_manifest(speech)
     cmds = [
         (tmp, ["train", *wider, "resume=last", f"ckpt.dir={shared}"]),
         (tmp, ["train", *wider, f"resume='{shared}/epoch=1-step=20.ckpt'"]),
+        (tmp, ["train", *TINY, "recipe=digits", f"resume='{speech}'"]),
     ]
-    for proc in run_cli_forked(cmds, tmp_path / "forked", env=quiet_env()):
+    wider_said = "holds digits MLP (features=[16]); this run trains digits MLP (features=[24])"
+    said = [wider_said, wider_said, "holds spoken_digits Encoder; this run trains digits MLP"]
+    procs = run_cli_forked(cmds, tmp_path / "forked", env=quiet_env())
+    for proc, needle in zip(procs, said, strict=True):
         text = proc.stdout + proc.stderr
         assert proc.returncode == 2, text[-3000:]
         assert "Traceback" not in text and "Nothing was loaded" in text, text[-3000:]
-        assert (
-            "holds digits MLP (features=[16]); this run trains digits MLP (features=[24])" in text
-        )
+        assert needle in text, text[-3000:]
 
 
 def test_an_unknown_key_is_refused_with_the_keys_and_never_advises_plus(tmp_path: Path):

@@ -63,7 +63,8 @@ def _describe(model: dict[str, Any], other: dict[str, Any]) -> str:
         target = str(node.get("_target_", "?")).rsplit(".", 1)[-1]
         theirs = other.get(key) if isinstance(other.get(key), dict) else {}
         args = [f"{k}={v}" for k, v in node.items() if k != "_target_" and theirs.get(k) != v]
-        parts.append(target + (f" ({', '.join(args)})" if args and theirs else ""))
+        same = theirs.get("_target_") == node.get("_target_")  # else the class says it all
+        parts.append(target + (f" ({', '.join(args)})" if args and same else ""))
     return f"{model.get('recipe') or 'custom'} {' '.join(parts) or 'model'}"
 
 
