@@ -55,6 +55,16 @@ def _groups() -> set[str]:
     return {p.name for p in config_dir().iterdir() if p.is_dir()}
 
 
+def _default_choices() -> dict[str, Any]:
+    """The group choices of ``config.yaml``'s defaults list (``mesh: dp``, ...)."""
+    import yaml
+
+    from torchshell.app.config import config_dir
+
+    doc = yaml.safe_load((config_dir() / "config.yaml").read_text(encoding="utf-8"))
+    return {k: v for d in doc.get("defaults", []) if isinstance(d, dict) for k, v in d.items()}
+
+
 def base_config(argv: Sequence[str]) -> DictConfig | None:
     """The config the group choices of ``argv`` compose (a sweep's first choice), before any
     key override; ``None`` when Hydra would refuse them (it then says why itself)."""
@@ -154,16 +164,23 @@ def run_name(cfg: Any, job: DictConfig, task: Sequence[str], base: DictConfig | 
 
     Example:
         >>> from torchshell.app.config import compose_config, typed
-        >>> job = compose_config(["data=digits", "optim.lr=0.01", "seed=0"])
-        >>> task = ["data=digits", "optim.lr=0.01", "seed=0"]
-        >>> run_name(typed(job), job, task, compose_config(["data=digits"]))
-        'digits-mlp optim.lr=0.01'
+        >>> task = ["data=digits", "mesh=fsdp", "optim.lr=0.01", "seed=0"]
+        >>> job = compose_config(task)
+        >>> run_name(typed(job), job, task, compose_config(["data=digits", "mesh=fsdp"]))
+        'digits-mlp mesh=fsdp optim.lr=0.01'
     """
     recipe = cfg.model.recipe or cfg.data.get("recipe") or "custom"
     shown = []
+    defaults = _default_choices()
     for o in _parse(task):
         key = o.key_or_group
-        if key in _groups() or key.startswith(_NOT_NAMED) or key == "hydra":
+        if key in _groups():  # a group other than the recipe's, when not its default
+            default = str(defaults.get(key)).replace("${data}", str(recipe))
+            named = key not in ("data", "model", "recipe", "tracking", "ckpt")
+            if named and o.package is None and str(o.value()) != default:
+                shown.append(f"{key}={o.value()}")
+            continue
+        if key.startswith(_NOT_NAMED) or key == "hydra":
             continue
         if base is not None and o.type.name == "CHANGE":
             before = OmegaConf.select(base, key, default=None, throw_on_resolution_failure=False)
