@@ -308,3 +308,70 @@ def test_resize_to_more_elements_is_refused() -> None:
     fns = torch_model_fns(Grow(), ("x",))
     with pytest.raises(TorchModelError, match=r"resize_\(4, 4\).*Fix:"):
         fns.apply({}, {}, {"x": jnp.zeros((3, 4))}, jax.random.key(0), True)
+
+
+def _out(f: Callable[..., Any], *shape: int) -> Callable[..., torch.Tensor]:
+    def run(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        o = torch.zeros(*(shape or a.shape))
+        f(a, c, o)
+        return o
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        _out(lambda a, c, o: torch.exp(a, out=o)),
+        _out(lambda a, c, o: torch.matmul(a, c.T, out=o), 2, 2),
+        _out(lambda a, c, o: torch.cumsum(a, 1, out=o)),
+        _out(lambda a, c, o: torch.where(a > 0, a, c, out=o)),
+        _out(lambda a, c, o: torch.sum(a, 1, out=o), 2),
+        _out(lambda a, c, o: torch.cat([a, c], out=o), 4, 3),
+        _out(lambda a, c, o: torch.maximum(a, c, out=o)),
+        _out(lambda a, c, o: torch.polygamma(1, a, out=o)),
+        _out(lambda a, c, o: torch.exp(a, out=o), 0),  # out resized, as torch does
+        _out(lambda a, c, o: torch.exp(a[:, :2], out=o[:, :2])),  # into a slice
+        _out(lambda a, c, o: torch.sort(a, 1, out=(o, torch.zeros(2, 3, dtype=torch.long)))),
+    ],
+)
+def test_out_forms_write_the_result(op: Any) -> None:
+    """``torch.exp(a, out=o)``: torchax passed ``out=`` to lowerings taking none (refused op
+    by op); the functional op's result is written into ``o`` (values: torch does not
+    differentiate ``out=`` forms)."""
+    g = torch.Generator().manual_seed(0)
+    a, c = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+
+    class Out(nn.Module):
+        def forward(self, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return op(a, c)
+
+    want = op(a, c)
+    fns = torch_model_fns(Out(), ("a", "c"))
+    batch = {"a": jnp.asarray(a.numpy()), "c": jnp.asarray(c.numpy())}
+    got = np.asarray(fns.apply({}, {}, batch, jax.random.key(0), True)[0])
+    assert got.shape == tuple(want.shape)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _copied(f: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    def run(a: torch.Tensor) -> torch.Tensor:
+        o = torch.zeros(2, 3)
+        f(o, a)
+        return o * 2
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "copy",
+    [
+        _copied(lambda o, a: o.copy_(a[1])),  # a row into every row (torchax: o became (3,))
+        _copied(lambda o, a: o.copy_(a[:, 1:2])),  # a column (a view source: was refused)
+        _copied(lambda o, a: o[:, 2:].copy_(a[:, 2:])),  # view into view (was refused)
+        _copied(lambda o, a: o[1:].copy_(a[0])),
+    ],
+)
+def test_copy_broadcasts_its_source(copy: Any) -> None:
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    assert not _differences(copy, [x])

@@ -17,6 +17,7 @@ trace; they run as ``copy_(self, op(self, ...))``, which writes through a view t
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,69 @@ def _out_of_place(func: Any) -> torch._ops.OpOverload | None:
     return twin if isinstance(twin, torch._ops.OpOverload) else None
 
 
+@functools.cache
+def _functional(func: Any) -> tuple[torch._ops.OpOverload, list[str]] | None:
+    """The functional overload of an ``out=`` overload (``exp.out`` -> ``exp.default``,
+    ``sum.IntList_out`` -> ``sum.dim_IntList``) and the names of its out arguments: the
+    overload of the same op taking the same arguments less those."""
+    op = _overload(func)
+    if op is None:
+        return None
+    args = op._schema.arguments
+    outs = [a for a in args if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    if not outs:
+        return None
+    want = [(a.name, str(a.type)) for a in args if a not in outs]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        given = candidate._schema.arguments
+        if [(a.name, str(a.type)) for a in given] == want and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in given
+        ):
+            return candidate, [a.name for a in outs]
+    return None
+
+
+def _written_out(
+    dispatch: Callable[..., Any], func: Any, types: Any, args: Any, kwargs: Any
+) -> Any:
+    """``op(..., out=t)``: the functional op, its result written into ``t`` (``copy_``, which
+    writes through a view; a tensor of another shape takes the result's, as torch resizes
+    ``out``). torchax passed ``out=`` to lowerings that take none: refused, op by op."""
+    from torchax.tensor import Tensor
+
+    found = _functional(func)
+    assert found is not None
+    functional, names = found
+    outs = [kwargs[n] for n in names]
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    values = dispatch(functional, types, args, rest)
+    values = values if isinstance(values, tuple | list) else (values,)
+    for out, value in zip(outs, values, strict=True):
+        if tuple(out.shape) != tuple(value.shape) and isinstance(out, Tensor):
+            out._elem = value._elem.astype(out._elem.dtype)
+        else:
+            dispatch(torch.ops.aten.copy_.default, types, (out, value), {})
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _broadcast_copy(dispatch: Callable[..., Any], types: Any, args: Any, kwargs: Any) -> Any:
+    """``t.copy_(src)`` with ``src`` broadcast to ``t``'s shape, as torch: torchax's copy_
+    gave ``t`` the source's shape (``o.copy_(c[1])`` of a (2, 3) ``o``: shape (3,),
+    silently). (A source of as many elements is left to torchax: its shape-changing
+    in-place ops, ``t_``, ``squeeze_``..., write their result through copy_.)"""
+    import jax.numpy as jnp
+
+    dest = args[0]
+    shape = tuple(dest.shape)
+    out = dispatch(torch.ops.aten.copy_.default, types, args, kwargs)
+    source = args[1]
+    if tuple(dest.shape) != shape and math.prod(getattr(source, "shape", ())) < math.prod(shape):
+        dest._elem = jnp.broadcast_to(dest._elem, shape)
+    return out
+
+
 # in-place ops whose out-of-place twin takes its arguments in another order
 _OWN_ORDER = (torch.ops.aten.polygamma_.default,)
 # in-place ops torchax decomposes into an op it has no lowering for (``mvlgamma_``:
@@ -63,7 +127,7 @@ def written_through_views(env: Any) -> Callable[..., Any]:
     """``env.dispatch`` (torchax's, one torch op) where an in-place op on a ``View`` runs on
     the view's values and the result is written back through the view to its base tensor,
     and an in-place op without a lowering runs as its out-of-place op and ``copy_``."""
-    from torchax.tensor import OperatorNotFound
+    from torchax.tensor import OperatorNotFound, Tensor
     from torchax.view import View
 
     dispatch = env.dispatch
@@ -77,6 +141,14 @@ def written_through_views(env: Any) -> Callable[..., Any]:
 
     @functools.wraps(dispatch)
     def through(func: Any, types: Any, args: Any, kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.copy_.default and len(args) > 1 and isinstance(args[1], View):
+            # ``t.copy_(c[:, 2:])``: torchax's copy_ read the source's ``_elem`` (a View has
+            # none): refused; the source's values
+            args = (args[0], args[1].torch(), *args[2:])
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], Tensor):
+            return _broadcast_copy(dispatch, types, args, kwargs)
+        if kwargs and _functional(func) is not None:
+            return _written_out(dispatch, func, types, args, kwargs)
         if not (args and _mutates_self(func)):
             return dispatch(func, types, args, kwargs)
         # a 0-d tensor too: torch's decompositions of ``index_add_``/``index_copy_``/
