@@ -76,7 +76,9 @@ def test_torchax_loads_when_torch_lacks_an_overload_it_names():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "no overload name 'dim_Dimname'" in out["plain"]  # torchax alone fails there
-    assert out["missing_at_import"] == ["aten::prod.dim_Dimname"]
-    assert out["missing"] == ["aten::prod.dim_Dimname", "aten::all.dimname"]  # lazily imported
+    # (under torch 2.13 itself more are missing: aten::index_copy.dimname, ...)
+    assert "aten::prod.dim_Dimname" in out["missing_at_import"]
+    assert "aten::all.dimname" not in out["missing_at_import"]
+    assert "aten::all.dimname" in out["missing"]  # named by a module torchax imports later
     assert out["after"] == "raises"  # the tolerance ends with torchax's import
     assert out["traced_max_diff"] < 1e-6
