@@ -21,12 +21,17 @@ __all__ = ["intact_tracer", "kept_intact", "restore_weights"]
 
 
 def _kept(fn: Callable[..., Any], restore: Callable[[], None]) -> Callable[..., Any]:
+    depth = [0]  # (a call inside a call: restored when the outermost one ends)
+
     @functools.wraps(fn)  # (its attributes too: torch_static, torch_embeddings)
     def call(*args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            restore()
+            depth[0] -= 1
+            if not depth[0]:
+                restore()
 
     call.restore_weights = restore  # type: ignore[attr-defined]
     return call
