@@ -60,6 +60,51 @@ def test_training_batch_of_another_form_than_validation_batch(tmp_path: Path) ->
     agree(runs, ("train_loss", "val_loss"), rtol=1e-4)
 
 
+class TwoViewsManual(TwoViews):
+    """The same under manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x1, x2, y = batch
+        z1, z2 = self.enc(x1), self.enc(x2)
+        loss = F.mse_loss(z1, z2) + F.cross_entropy(self.head(z1), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("make", "flags"),
+    [(TwoViewsManual, {}), (TwoViews, {"accumulate_grad_batches": 2})],
+    ids=["manual", "accumulate"],
+)
+def test_two_views_manual_or_accumulated(tmp_path: Path, make: Any, flags: Any) -> None:
+    runs = _pair(make, tmp_path, _views(64, 0, 2), _views(32, 1, 1), **flags)
+    agree(runs, ("train_loss", "val_loss"), rtol=1e-4)
+
+
+def test_validate_before_fit_never_traces_training_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = TwoViews()
+    torch.manual_seed(0)
+    user = TwoViews()
+    module = JaxModule.from_lightning(user, print_summary=False)
+    want = _trainer(tmp_path / "plain").validate(plain, _views(32, 1, 1), verbose=False)
+    got = _trainer(tmp_path / "jax").validate(module, _views(32, 1, 1), verbose=False)
+    assert got[0]["val_loss"] == pytest.approx(want[0]["val_loss"], rel=1e-5)
+    trainer = _trainer(tmp_path / "jax")
+    trainer.fit(module, _views(64, 0, 2), _views(32, 1, 1))
+    _trainer(tmp_path / "plain").fit(plain, _views(64, 0, 2), _views(32, 1, 1))
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(user.state_dict()[name], value, rtol=1e-4, atol=1e-6)
+
+
 class OneCycle(L.LightningModule):
     """SGD with momentum under OneCycleLR (which cycles ``momentum``), or Adam (``betas``)."""
 
