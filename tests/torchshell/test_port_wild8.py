@@ -279,8 +279,29 @@ class SharedLit(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def test_from_lightning_a_submodule_under_two_names(tmp_path: Path) -> None:
-    runs = _pair(SharedLit, tmp_path, _table())
+class SharedLitManual(SharedLit):
+    """The same under manual optimization (``manual_backward``: a trace inside a trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("make", [SharedLit, SharedLitManual], ids=["automatic", "manual"])
+def test_from_lightning_a_submodule_under_two_names(tmp_path: Path, make: Any) -> None:
+    # was: "first.weight, first.bias frozen (requires_grad changed) before epoch 1": the
+    # trace left torchax tensors in the user's module
+    runs = _pair(make, tmp_path, _table())
     agree(runs, rtol=1e-4)
     user = runs["jax"][1]
     assert user.first is user.layers[0]
