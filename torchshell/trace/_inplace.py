@@ -116,6 +116,12 @@ def _broadcast_copy(dispatch: Callable[..., Any], types: Any, args: Any, kwargs:
     return out
 
 
+# in-place ops torchax 0.0.13 dropped on a 0-d tensor (torch's decompositions)
+_INDEXED = {
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("index_add_", "index_copy_", "index_fill_")
+    for overload in getattr(torch.ops.aten, name).overloads()
+}
 # in-place ops whose out-of-place twin takes its arguments in another order
 _OWN_ORDER = (torch.ops.aten.polygamma_.default,)
 # in-place ops torchax decomposes into an op it has no lowering for (``mvlgamma_``:
@@ -153,7 +159,7 @@ def written_through_views(env: Any) -> Callable[..., Any]:
             return dispatch(func, types, args, kwargs)
         # a 0-d tensor too: torch's decompositions of ``index_add_``/``index_copy_``/
         # ``index_fill_`` write into ``self.unsqueeze(0)``, a copy in torchax (dropped)
-        scalar = isinstance(args[0], torch.Tensor) and args[0].ndim == 0
+        scalar = isinstance(args[0], torch.Tensor) and args[0].ndim == 0 and func in _INDEXED
         fresh = isinstance(args[0], torch.Tensor) and (
             scalar or func in _VIA_TWIN or not lowered(func)
         )
