@@ -61,7 +61,8 @@ def _describe(model: dict[str, Any], other: dict[str, Any]) -> str:
         if not isinstance(node, dict):
             continue
         target = str(node.get("_target_", "?")).rsplit(".", 1)[-1]
-        theirs = other.get(key) if isinstance(other.get(key), dict) else {}
+        found = other.get(key)
+        theirs: dict[str, Any] = found if isinstance(found, dict) else {}
         args = [f"{k}={v}" for k, v in node.items() if k != "_target_" and theirs.get(k) != v]
         same = theirs.get("_target_") == node.get("_target_")  # else the class says it all
         parts.append(target + (f" ({', '.join(args)})" if args and same else ""))

@@ -216,6 +216,7 @@ def _make_trainer(
 ) -> tuple[L.Trainer, CheckpointOnSigterm]:
     """The real ``lightning.Trainer`` with Orbax checkpoints on the configured schedule."""
     checkpointing = cfg.ckpt.every_n_steps > 0
+    assert cfg.ckpt.dir is not None  # (run_dirs.choose set it: the run's own folder)
     sigterm = CheckpointOnSigterm(cfg.ckpt.dir)
     callbacks: list[L.Callback] = [sigterm]
     if checkpointing:

@@ -10,6 +10,7 @@ module's own ``forward`` then raises outside torchax, and ``load_state_dict`` fa
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,13 +33,15 @@ def shared_weights_kept(module: torch.nn.Module) -> Callable[[], None] | None:
         True
     """
     modules = list(module.named_modules(remove_duplicate=False))
-    tensors = [*module.named_parameters(remove_duplicate=False)]
-    tensors += module.named_buffers(remove_duplicate=False)
+    tensors: list[tuple[str, torch.Tensor]] = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
     if len(modules) == len({id(m) for _, m in modules}) and len(tensors) == len(
         {id(t) for _, t in tensors}
     ):
         return None
-    saved = [
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = [
         (slots, key, value)
         for m in module.modules()
         for slots in (m._parameters, m._buffers)
