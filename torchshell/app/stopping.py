@@ -61,6 +61,7 @@ def run_whole(cmd: list[str], env: dict[str, str]) -> int:
     outlived a SIGTERM to coreshell and kept answering on the port).
 
     Example:
+        >>> import os, sys
         >>> run_whole([sys.executable, "-c", "pass"], dict(os.environ))
         0
     """
