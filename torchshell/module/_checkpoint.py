@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,8 +20,9 @@ import torchshell.checkpoint._state_io as _state_io
 from torchshell.adapters._torch_fns import restore_weights
 from torchshell.checkpoint._orbax import restore_state
 
-if TYPE_CHECKING:
-    from torchshell.module._jax_module import JaxModule
+# The JaxModule these functions serve, by name only: _jax_module imports this file, and an
+# import back (even for type checking) would close a cycle.
+JaxModule = Any
 
 __all__ = ["Held", "fit_end", "fit_start", "load", "restore_from", "save", "sync_user_weights"]
 

@@ -14,7 +14,7 @@ What Lightning's ``validation_step``/``test_step``/``predict_step`` run is the a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,9 @@ from jaxcore.guard import first_failed, raise_failed
 from torchshell.adapters._batches import rows
 from torchshell.data._sampler import real_rows, shard_sampler
 
-if TYPE_CHECKING:
-    from torchshell.module._jax_module import JaxModule
+# The JaxModule these functions serve, by name only: _jax_module imports this file, and an
+# import back (even for type checking) would close a cycle.
+JaxModule = Any
 
 __all__ = ["Evaluation", "eval_epoch_end"]
 

@@ -11,7 +11,7 @@ holds them on device until the next logging step fetches them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import lightning as L
@@ -22,8 +22,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import jaxcore
 from torchshell.adapters._logs import OWN, find_lrs, fresh
 
-if TYPE_CHECKING:
-    from torchshell.module._jax_module import JaxModule
+# The JaxModule these functions serve, by name only: _jax_module imports this file, and an
+# import back (even for type checking) would close a cycle.
+JaxModule = Any
 
 __all__ = ["check_finite", "log_to_loggers", "log_values", "outputs_wanted", "queue_log"]
 

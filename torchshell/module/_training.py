@@ -16,7 +16,7 @@ Which step function, and how its optimizer steps count, is the adapter's (``adap
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,8 +27,9 @@ from torchshell.adapters._batches import float_fields
 from torchshell.module._logging import log_to_loggers, outputs, outputs_wanted, queue_log
 from torchshell.summary import param_summary
 
-if TYPE_CHECKING:
-    from torchshell.module._jax_module import JaxModule
+# The JaxModule these functions serve, by name only: _jax_module imports this file, and an
+# import back (even for type checking) would close a cycle.
+JaxModule = Any
 
 __all__ = ["buffer_batch", "run_window", "step_forward", "train_batch"]
 
