@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# TPU readiness in one run (one TPU v5e chip; < 9 min: every stage under its own limit and all
-# of them inside one budget, TPU_SH_BUDGET=520 s after the install), one table at the end.
+# TPU readiness (one TPU v5e chip): every stage under its own limit and all of them inside one
+# budget (TPU_SH_BUDGET=520 s after the install), one table at the end.
 # A stage that fails or runs out of time is a FAILED row (its log's tail printed under the
 # table) and the others still run; each stage's output (its rows) shows as it runs.
 #   1. encoder: a Whisper-base-sized encoder (d=512 x6, 1,500 frames, B=16, bf16) as a pure
@@ -24,8 +24,11 @@
 # and the device call names .whl-tpu in `carry` (docs/tpu.md). Everything installs under
 # /tmp/site, after the machine's JAX on PYTHONPATH.
 #
-#   benchmarks/tpu.sh             # on the TPU machine
-#   benchmarks/tpu.sh --dry-run   # CPU, tiny sizes (run by the suite): every stage, the table
+#   benchmarks/tpu.sh [STAGES]             # on the TPU machine; STAGES: a comma list of
+#                                          # models,encoder,transfer,digits,speech (all)
+#   benchmarks/tpu.sh --dry-run [STAGES]   # CPU, tiny sizes (run by the suite): the table
+# Every stage on the chip takes ~15 min, past one device call's 10: the lent machine runs it as
+# two calls, `tpu.sh models` and `tpu.sh encoder,transfer,digits,speech` (docs/tpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-}"
@@ -39,7 +42,12 @@ if [[ $MODE == --fetch-wheels ]]; then  # here, where a registry is reachable
   exit
 fi
 DRY=0
-if [[ $MODE == --dry-run ]]; then DRY=1; fi
+if [[ $MODE == --dry-run ]]; then DRY=1; shift; fi
+ALL=models,encoder,transfer,digits,speech
+STAGES=",${1:-$ALL},"
+for s in ${STAGES//,/ }; do
+  if [[ ",$ALL," != *",$s,"* ]]; then echo "unknown stage '$s': expected a comma list of $ALL" >&2; exit 2; fi
+done
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1
@@ -68,7 +76,7 @@ else
       grep -v -e "^WARNING: Location" -e "notice" >&2
   fi
   BUDGET="${TPU_SH_BUDGET:-520}"  # (the install before it took 70 s)
-  ENC=(--steps 20 --batch 16) MODELS=() TRANSFER=() DIGITS=(--rounds 3 --steps 400) SPEECH=()
+  ENC=(--steps 20 --batch 16) MODELS=() TRANSFER=() DIGITS=(--rounds 2 --steps 300) SPEECH=()
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 START=$SECONDS
@@ -79,6 +87,7 @@ START=$SECONDS
 stage() {
   local name=$1 limit=$2 rc=0 left=$((BUDGET - SECONDS + START))
   shift 2
+  if [[ $STAGES != *",$name,"* ]]; then return; fi
   if ((left < limit)); then limit=$left; fi
   if ((limit < 20)); then
     echo "not run: ${left} s left of tpu.sh's ${BUDGET} s budget" | tee "$WORK/$name.txt" >&2
@@ -93,13 +102,13 @@ stage() {
 # (the dry run's limits are a loaded 2-core CPU's: in the suite beside the other worker its
 # tiny models took 18-38 s to their first step each, the whole run ~600 s)
 lim() { if [[ $DRY == 1 ]]; then echo "$2"; else echo "$1"; fi; }
-stage models "$(lim 240 900)" "$PY" benchmarks/tpu_models.py "${MODELS[@]}" \
+stage models "$(lim 450 900)" "$PY" benchmarks/tpu_models.py "${MODELS[@]}" \
   --json "$WORK/models.json"
-stage encoder "$(lim 150 600)" "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" \
+stage encoder "$(lim 270 600)" "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" \
   --json "$WORK/encoder.json"
-stage transfer "$(lim 40 300)" "$PY" benchmarks/tpu_transfer.py "${TRANSFER[@]}" \
+stage transfer "$(lim 60 300)" "$PY" benchmarks/tpu_transfer.py "${TRANSFER[@]}" \
   --json "$WORK/transfer.json"
-stage digits "$(lim 90 600)" "$PY" benchmarks/user_path.py "${DIGITS[@]}" --only a,c,e \
+stage digits "$(lim 150 600)" "$PY" benchmarks/user_path.py "${DIGITS[@]}" --only a,c,e \
   --forms "dict collate,TensorDataset tuples" --json "$WORK/digits.json"
 stage speech "$(lim 60 900)" "$PY" benchmarks/tpu_speech.py "${SPEECH[@]}" \
   --json "$WORK/speech.json"
@@ -114,6 +123,8 @@ spec.loader.exec_module(stats)
 work = Path(os.environ["WORK"])
 rows, failed = [], []
 for name in ["encoder", "models", "speech", "transfer", "digits"]:
+    if not (work / f"{name}.rc").exists():  # (a stage not asked for)
+        continue
     rc = (work / f"{name}.rc").read_text().strip()
     done = work / f"{name}.json"
     if done.exists():  # (a stage cut short keeps the rows it wrote)

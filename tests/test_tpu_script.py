@@ -1,6 +1,6 @@
 """``benchmarks/tpu.sh --dry-run``: the TPU script, on CPU with tiny sizes.
 
-The TPU run needs the device machine; the dry run takes every stage (the encoder four ways,
+The TPU run needs the device machine; the dry run takes every stage (the encoder three ways,
 the three LightningModules beside their pure-Flax twins, the speech recipe through
 ``coreshell train``, the transfer, the digits peers) and prints the one table, so the script
 cannot rot. Its figures mean nothing (CPU, unoptimised XLA); the rows must all be there.
@@ -53,3 +53,18 @@ def test_tpu_script_dry_run_prints_every_row() -> None:
     digits = [r for r in rows if r.startswith("| peers/digits MLP, user DataLoader")]
     assert any("(a) coreshell at its defaults" in r for r in digits)
     assert any("(c) Keras 3" in r for r in digits) and any("(e) hand-written" in r for r in digits)
+
+
+def test_tpu_script_refuses_an_unknown_stage_before_running_any() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "tpu.sh"), "--dry-run", "models,digit"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown stage 'digit'" in proc.stderr
+    assert "models,encoder,transfer,digits,speech" in proc.stderr
+    assert "JAX" not in proc.stdout  # nothing started
