@@ -21,6 +21,7 @@ from jax._src import config as jax_config
 from torchmetrics import Metric
 
 from torchshell._errors import ConfigError, TorchModelError
+from torchshell.port._host_metrics import HOST_ARGS, HostValue, split_args
 from torchshell.port._host_reads import traced_global_step
 from torchshell.port._logs import (
     _METRIC_HOOKS,
@@ -43,6 +44,12 @@ from torchshell.trace import TracedScalar
 from torchshell.trace._messages import DATA_DEPENDENT
 
 __all__ = ["LogCapture"]
+
+
+def _first(err: BaseException) -> str:
+    """An error's first line (a JAX error's: its cause, before the advice)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class LogCapture:
@@ -141,7 +148,11 @@ class LogCapture:
             metric_attribute: str | None = None,
             rank_zero_only: bool = False,
         ) -> None:
-            metric = None
+            metric, host_call = None, None
+            if isinstance(value, HostValue):  # a host metric's batch value (see the module)
+                if hook not in ("validation_step", "test_step"):
+                    raise value.refusal("logs")
+                value, host_call = 0.0, value.index
             if isinstance(value, TracedScalar):  # ``loss.item()``: the traced value itself
                 value = value.x
             elif isinstance(value, np.number | np.ndarray) and np.size(value) == 1:
@@ -168,6 +179,7 @@ class LogCapture:
                 batch_size=batch_size,
                 metric=metric,
                 add_dataloader_idx=bool(add_dataloader_idx),
+                host_call=host_call,
             )
             records.append((spec, value))
 
@@ -256,8 +268,10 @@ class LogCapture:
         ``forward``/``update`` compute the metric's states on this batch (from its defaults,
         with its own update code) and, for ``forward``, the batch value (its own compute);
         the states are recorded for the host (:func:`add_metric_states`) and the metric's
-        own states are left as they were. ``compute`` inside the step is refused (it would
-        read the states of other batches).
+        own states are left as they were. A metric that cannot run there (a list state, or
+        an update whose shapes depend on values) runs on the host after the step instead
+        (:mod:`torchshell.port._host_metrics`). ``compute`` inside the step is refused (it
+        would read the states of other batches).
         """
         patched = []
         for path, metric in self.module.named_modules():
@@ -266,12 +280,6 @@ class LogCapture:
             before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
             patched.append((metric, before))
             states = _state_reductions(metric)
-            if states is None:
-                why = "its state is a list (all predictions, e.g. AUROC), which grows with data"
-                metric.__dict__.update(
-                    dict.fromkeys(_METRIC_METHODS, self._refusal(hook, path, why))
-                )
-                continue
 
             def run(
                 *args: Any,
@@ -281,20 +289,16 @@ class LogCapture:
                 _f: bool = True,
                 **kw: Any,
             ) -> Any:
-                own = {name: getattr(_m, name) for name, _ in _s}
-                for name, _ in _s:
-                    default: Any = _m._defaults[name]  # (a tensor: _state_reductions)
-                    setattr(_m, name, default.detach().clone().to(self.module._device))
-                try:
-                    type(_m).update(_m, *args, **kw)
-                    batch = {name: getattr(_m, name) for name, _ in _s}
-                    if _f:
-                        batch["value"] = cached[_p] = type(_m).compute(_m)
-                finally:
-                    for name, value in own.items():
-                        setattr(_m, name, value)
-                calls.append((MetricCall(_p, _f, _s), batch))
-                return batch.get("value")
+                why = "its state is a list (all predictions, e.g. AUROC), which grows with data"
+                if _s is not None:
+                    try:
+                        return self._metric_in_step(_p, _m, _s, _f, calls, cached, args, kw)
+                    except DATA_DEPENDENT as err:  # (ignore_index: preds[target != -100])
+                        why = f"its update needs a shape that depends on values: {_first(err)}"
+                host, tensors = split_args(args, kw)  # run on the host, after the step
+                calls.append((MetricCall(_p, _f, (), host), {HOST_ARGS: tensors}))
+                owner = type(self.module).__name__
+                return HostValue(owner, hook, _p, why, len(calls) - 1) if _f else None
 
             if hasattr(metric, "_cast_and_nan_check_input"):  # MeanMetric, SumMetric...
                 metric.__dict__["_cast_and_nan_check_input"] = functools.partial(
@@ -305,6 +309,36 @@ class LogCapture:
             why = "compute() there would read other batches' states (call it in an epoch hook)"
             metric.__dict__["compute"] = self._refusal(hook, path, why)
         return patched
+
+    def _metric_in_step(
+        self,
+        path: str,
+        metric: Metric,
+        states: Any,
+        forward: bool,
+        calls: list[tuple[MetricCall, dict[str, Any]]],
+        cached: dict[str, Any],
+        args: tuple[Any, ...],
+        kw: dict[str, Any],
+    ) -> Any:
+        """``metric``'s update (and, for ``forward``, its compute) on the traced batch alone,
+        from its defaults: its batch states recorded for the host, its own left as they were."""
+        own = {name: getattr(metric, name) for name, _ in states}
+        for name, _ in states:
+            default: Any = metric._defaults[name]  # (a tensor: _state_reductions)
+            setattr(metric, name, default.detach().clone().to(self.module._device))
+        try:
+            type(metric).update(metric, *args, **kw)
+            batch = {name: getattr(metric, name) for name, _ in states}
+            if forward:
+                batch["value"] = type(metric).compute(metric)
+        finally:
+            for name, value in own.items():
+                setattr(metric, name, value)
+        if forward:
+            cached[path] = batch["value"]
+        calls.append((MetricCall(path, forward, states), batch))
+        return batch.get("value")
 
     def _refusal(self, hook: str, path: str, why: str) -> Any:
         owner = type(self.module).__name__

@@ -23,12 +23,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import lightning as L
 import torch
 
 from torchshell._errors import ConfigError
 from torchshell.adapters._batches import host_fields_back
 from torchshell.adapters._hooks import ModuleHooks
+from torchshell.port._host_metrics import HOST_ARGS, run_metric_calls
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._prepare import check_trainable, layers_changed
 from torchshell.port._trace import LightningPort
@@ -259,14 +261,18 @@ class LightningHooks(ModuleHooks):
         computes it twice per batch.
         """
         module.init_state(batch)  # (the first batch traces training_step: now it is known)
-        if "training_step" not in self.port.statics:  # (the state came from an eval batch)
-            module.adapter.to_jax(batch)
-        extras, appends = self.port.returns_more
+        if self.port.returns_more is None:  # (the state came from an eval batch: shapes only)
+            s, placed, port = module.state, module.adapter.to_jax(batch), self.port
+            call = functools.partial(port.call, "training_step", s.params, s.model_state)
+            jax.eval_shape(lambda b: call(b, s.rng, True) and None, placed)
+        extras, appends = self.port.returns_more or (False, False)
         wanted = module._outputs_wanted()
         if not appends and not (extras and wanted):  # (extras no one reads: not computed)
             return super().outputs_ahead(module, batch, i, raw)
         outputs, loss = module._step_forward(batch, i)
         user = host_tensors(outputs["user"])
+        if (given := user["appended"].pop(HOST_ARGS, None)) is not None:  # host metrics
+            run_metric_calls(self.port.module, self.port.metric_calls["training_step"], None, given)
         for name, items in user["appended"].items():
             getattr(self.port.module, name).extend(host_fields_back(items, raw))
         if not wanted:

@@ -71,6 +71,7 @@ class LogSpec:
     batch_size: int | None = None
     metric: str | None = None  # a torchmetrics object logged (its attribute path)
     add_dataloader_idx: bool = True  # several evaluation loaders: "name/dataloader_idx_N"
+    host_call: int | None = None  # the batch value of that metric call, run on the host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +81,14 @@ class MetricCall:
     The step computes the metric's states on the batch alone (``states``: name ->
     ``"sum"``/``"max"``/``"min"``, torchmetrics' ``dist_reduce_fx``) and, for ``forward``,
     its batch value; the host adds them to the user's real metric, as its ``update`` would.
+    With ``host`` (a metric the step cannot run: :mod:`torchshell.port._host_metrics`) the
+    host calls the metric itself on the tensors the step was given.
     """
 
     path: str
     forward: bool
     states: tuple[tuple[str, str], ...]
+    host: Any = None  # HostArgs: the call runs on the host
 
 
 METRIC_KEY = "metric_call/"  # logs keys of metric calls: metric_call/<i>/<state> or /value

@@ -3,9 +3,8 @@
 :class:`LightningPort` runs ``training_step`` / ``validation_step`` / ``test_step`` /
 ``predict_step`` under torchax (:class:`~torchshell.torch_model.TorchTracer`), with the
 module's weights swapped for JAX values, and records every ``self.log`` / ``self.log_dict``
-call made while tracing: the values come back as JAX scalars (on device), the options
-(``prog_bar``, ``logger``, ``on_step``, ``on_epoch``, ``reduce_fx``, ``batch_size``) as a
-:class:`LogSpec` per name, static for the run.
+call made while tracing: the values come back as JAX scalars (on device), the options as a
+:class:`LogSpec` per name, static for the run; torchmetrics calls as :class:`MetricCall`.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from torchshell._errors import ConfigError, TorchModelError
 from torchshell.adapters._torch_fns import intact_tracer
 from torchshell.port._batch_idx import BatchIdx
 from torchshell.port._capture import LogCapture
+from torchshell.port._host_metrics import HOST_ARGS
 from torchshell.port._logs import (
     _MAX_STATIC,
     APPENDED_KEY,
@@ -49,7 +49,6 @@ from torchshell.trace._embedding import EVAL_CHECK_KEY, EmbeddingChecks
 from torchshell.trace._static import STATIC_KEY, check_static_reads
 
 __all__ = ["LightningPort"]
-
 
 PyTree = Any
 
@@ -95,7 +94,7 @@ class LightningPort(LogCapture):
         self.metric_calls: dict[str, list[MetricCall]] = {hook: [] for hook in HOOKS}
         self._warned: set[tuple[str, str]] = set()
         # training_step returns more than its loss, appends to lists (see _hook_fn)
-        self.returns_more = (False, False)
+        self.returns_more: tuple[bool, bool] | None = None  # (None: not yet traced for a step)
         self.weights_only = False  # an eval batch's state: training_step not traced on it
 
     def refresh(self) -> bool:
@@ -195,9 +194,11 @@ class LightningPort(LogCapture):
                         out = getattr(self.module, hook)(b, *self._batch_idx(hook), *extra)
                 finally:
                     appended = _take_appended(self.module, lists)
+            if any(call.host for call, _ in calls):  # metrics run on the host: their tensors
+                appended[HOST_ARGS] = [states.pop(HOST_ARGS, []) for _, states in calls]
             if hook == "training_step" and out is None and self.manual_plan is None:
                 raise self._returned_none()
-            if hook == "training_step":  # (every trace of it: see LightningParts._outputs_ahead)
+            if hook == "training_step" and self.tracer.reads.mode == "step":  # (not a probe)
                 extras = isinstance(out, Mapping) and set(out) - {"loss"}
                 self.returns_more = (bool(extras), bool(appended))
             return (

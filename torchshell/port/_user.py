@@ -32,13 +32,13 @@ from torchshell._errors import ConfigError
 from torchshell.adapters._batches import host_fields_back, host_fields_out
 from torchshell.adapters._eval import EvalHooks, eval_loader
 from torchshell.adapters._logs import OWN, TrainLogs
+from torchshell.port._host_metrics import HOST_ARGS, run_metric_calls
 from torchshell.port._logs import (
     APPENDED_KEY,
     BATCH_SIZE_KEY,
     GRADS_HOOK,
     METRIC_KEY,
     LogSpec,
-    add_metric_states,
     hook_key,
     host_tensors,
     torch_ints,
@@ -185,8 +185,8 @@ class LightningLogs(TrainLogs):
         wanted = {k: v for k, v in metrics.items() if k.startswith(prefixes)}
         host = {k.split("/", 1)[1]: v for k, v in jax.device_get(wanted).items()}
         user = self.port.module
-        for i, call in enumerate(self.port.metric_calls["training_step"]):
-            add_metric_states(user.get_submodule(call.path), call, host, i)
+        # (metrics run on the host: updated before the step, LightningHooks.outputs_ahead)
+        run_metric_calls(user, self.port.metric_calls["training_step"], host, None)
         for name, spec in self._train_specs().items():
             if spec.metric is not None:
                 module.log(
@@ -314,12 +314,15 @@ class LightningEvaluation(EvalHooks):
         host = jax.device_get(logs)
         raise_failed(host.pop(EVAL_CHECK_KEY, NO_CHECK), f"in a {hook} batch")
         key = hook_key(hook, dataloader_idx)
-        for i, call in enumerate(self.port.metric_calls[key]):  # torchmetrics objects
-            add_metric_states(user.get_submodule(call.path), call, host, i)
-        for name, items in host.get(APPENDED_KEY, {}).items():  # self.<list>.append(...)
+        appended = host.get(APPENDED_KEY, {})
+        given = host_tensors(appended.pop(HOST_ARGS, None))  # (metrics run on the host)
+        values = run_metric_calls(user, self.port.metric_calls[key], host, given)
+        for name, items in appended.items():  # self.<list>.append(...)
             getattr(user, name).extend(host_tensors(items))
         for name, spec in self.port.specs[key].items():
             value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
+            if spec.host_call is not None:  # a host metric's batch value
+                value = values[spec.host_call]
             module.log(
                 name,
                 value,
