@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcore._sums import LossFn, Metrics, _forward, _inputs, _mask, _reduce, _rows, _weights
+from jaxcore._sums import LossFn, Metrics, _forward, _inputs, _reduce, _weights
 from jaxcore.compile import Step
 from jaxcore.guard import checked_forward
 from jaxcore.model import Batch, ModelFns
@@ -85,8 +85,12 @@ def make_eval_step(
     state_sharding: PyTree = None,
     compute_dtype: Any = None,
     input_checks: bool = False,
+    weigh_rows: bool = True,
 ) -> Step:
     """A jitted ``eval_step(state, batch) -> sums`` for exact epoch means.
+
+    ``weigh_rows=False``: each batch weighs one (its loss and metrics are batch means; a
+    batch whose fields have no common rows, a graph), as in :func:`jaxcore.make_train_step`.
 
     Returns sums over the valid rows and their ``count``; divide the accumulated sums by the
     accumulated count for means that padded rows never touch. With ``input_checks`` it
@@ -116,8 +120,7 @@ def make_eval_step(
             False,
         )
         losses, metrics = loss_fn(cast_floating(outputs, jnp.float32), batch)
-        mask = _mask(batch, _rows(batch)).astype(jnp.float32)
-        count = jnp.sum(mask)
+        mask, count = _weights(batch, weigh_rows)
         sums = {k: _reduce(v, mask, count, k) for k, v in metrics.items()}
         return {"loss": _reduce(losses, mask, count), **sums, "count": count}
 

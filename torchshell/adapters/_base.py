@@ -61,6 +61,12 @@ from torchshell.adapters._optim import OptaxOptimizer
 from torchshell.adapters._placement import Placement
 from torchshell.adapters._steps import TrainSteps
 from torchshell.adapters._torch_fns import kept_intact
+from torchshell.adapters._unaligned import (
+    aligned,
+    refuse_row_mask,
+    unaligned_batch,
+    unaligned_refusal,
+)
 from torchshell.optim import map_configure_optimizers
 from torchshell.trace._static import specialise_batch
 
@@ -192,6 +198,7 @@ class Adapter:
 
     torch_module: torch.nn.Module | None = None
     weigh_rows = True  # a micro-batch weighs its valid rows (exact masked means)
+    unaligned = False  # the fields' rows differ (a graph batch): learned from the first batch
     supports_windows = True  # K batches per call (the port: False, the user's self.log per step)
 
     def __init__(
@@ -216,6 +223,9 @@ class Adapter:
         if self.form is not None and (named := self.form.named(batch)) is not None:
             return named
         named = arrays_as_tensors(name_batch(batch, self.batch_keys))  # numpy, lists of numbers
+        if self.form is None and not aligned(named):  # a graph: rows neither padded nor weighed
+            refuse_row_mask(named)
+            self.unaligned, self.weigh_rows, self.supports_windows = True, False, False
         check_batch(self, named)  # negative lengths, misfit masks: refused like torch
         prepared = host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
         self.form = BatchForm.learn(batch, prepared, self.batch_keys)
@@ -230,6 +240,8 @@ class Adapter:
         ragged, plus the values a traced torch forward reads in Python (compiled once per
         distinct value, counted)."""
         p = self.placement
+        if self.unaligned:  # (whole on every device, flagged for the loss: ._unaligned)
+            return specialise_batch(self.model_fns, unaligned_batch(batch, p), train)
         n = self.global_rows(batch)
         if "mask" in batch or rows(batch) != n:  # ragged: padded, with a mask of real rows
             out = bridge.to_jax(batch, p.batch, pad_to=n, stats=p.stats)
@@ -243,6 +255,8 @@ class Adapter:
         ``k * B`` rows is viewed as ``[k, B, ...]``, k steps in one call."""
         if k == 1:
             return self.to_jax(batch), batch, self.global_rows(batch)
+        if self.unaligned:
+            raise ConfigError(unaligned_refusal(f"steps_per_call={k}", "steps_per_call=1"))
         n, ways = rows(batch), self.placement.ways
         if n % k or (n // k) % ways:
             raise ConfigError(
@@ -259,6 +273,8 @@ class Adapter:
         """The ``accumulate`` batches of one window as ``[m, B, ...]`` (padded to the most
         rows); as :class:`MicroBatches` when their per-row shapes differ (bucketed lengths:
         the step unrolls them, each its own shape)."""
+        if self.unaligned:  # (each batch weighs one: unrolled, as they came)
+            return MicroBatches(self.to_jax(b) for b in batches)
         n = max(self.global_rows(b) for b in batches)
         padded = [bridge.pad_batch(b, n) for b in batches]
         p = self.placement

@@ -88,6 +88,7 @@ class EvalHooks:
                 batch_sharding=None,  # the arrays' own (placed leaf by leaf by the bridge)
                 compute_dtype=module._compute_dtype,
                 input_checks=True,
+                weigh_rows=adapter.weigh_rows,  # (False: a graph batch weighs one)
             )
         with adapter.checked(batch):
             sums, check = ev.step(state, adapter.to_jax(batch, train=False))

@@ -17,6 +17,7 @@ from typing import Any
 
 import jaxcore
 from torchshell._errors import ConfigError
+from torchshell.adapters._unaligned import means_where_unaligned
 from torchshell.trace._loss import is_torch_loss, torch_function_loss, torch_loss_fn
 
 __all__ = ["loss_kind", "step_loss"]
@@ -30,14 +31,24 @@ def step_loss(
     loss_fn: Any, names: Sequence[str], batch_keys: Sequence[str], *, per_row: bool
 ) -> Any:
     """The loss as the step calls it: a torch loss run by torchax, or a JAX loss evaluated per
-    row when ``per_row`` (a JAX loss may return batch means, or no metrics)."""
+    row when ``per_row`` (a JAX loss may return batch means, or no metrics); on a batch
+    whose fields' rows do not align (a graph), batch means (:mod:`._unaligned`)."""
+    rows = _step_loss(loss_fn, names, batch_keys, per_row=per_row)
+    if not per_row:
+        return rows
+    return means_where_unaligned(rows, _step_loss(loss_fn, names, batch_keys, per_row=False))
+
+
+def _step_loss(
+    loss_fn: Any, names: Sequence[str], batch_keys: Sequence[str], *, per_row: bool
+) -> Any:
     label = next((k for k in batch_keys if k not in names), "y")
     if is_torch_loss(loss_fn):  # nn.CrossEntropyLoss(), F.mse_loss: run by torchax
         return torch_loss_fn(loss_fn, label_key=label, inputs=list(names))
     as_jax = jaxcore.per_example(loss_fn) if per_row else loss_fn
     if str(getattr(loss_fn, "__module__", "")).split(".")[0] in ("jaxcore", "torchshell"):
         return as_jax  # coreshell's own losses (the port's: the traced step's)
-    as_torch = torch_function_loss(loss_fn, label_key=label, inputs=list(names))
+    as_torch = torch_function_loss(loss_fn, label_key=label, inputs=list(names), per_row=per_row)
     return _Loss(loss_fn, loss_kind(loss_fn), {"torch": as_torch, "jax": as_jax}, label)
 
 

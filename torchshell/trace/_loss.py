@@ -98,7 +98,7 @@ def written_in_torch(fn: Any) -> bool:
 
 
 def torch_function_loss(
-    fn: Callable[..., Any], label_key: str = "y", inputs: Sequence[str] = ()
+    fn: Callable[..., Any], label_key: str = "y", inputs: Sequence[str] = (), per_row: bool = True
 ) -> Callable[..., Any]:
     """A team's own torch loss function ``(output, target) -> loss`` as the step's loss.
 
@@ -110,6 +110,7 @@ def torch_function_loss(
             tensors and returns a scalar (or one value per row).
         label_key: the batch field holding the target (see :func:`target_field`).
         inputs: the fields the model reads (never the target).
+        per_row: evaluated row by row; ``False``: its value on the whole batch.
 
     Returns:
         A loss function for :class:`~torchshell.JaxModule`.
@@ -135,7 +136,7 @@ def torch_function_loss(
                 value = call_torch(_with_fields(fn), outputs, target)
         return jnp.asarray(value, jnp.float32)
 
-    return jaxcore.per_example(loss_fn)
+    return jaxcore.per_example(loss_fn) if per_row else loss_fn
 
 
 class Fields(dict):  # type: ignore[type-arg]
