@@ -150,6 +150,12 @@ def test_choose_k_from_the_ratio_of_step_to_shell() -> None:
     assert choose_k(0.0004, 0.0008, 17) == 1  # a prime past 16: no divisor
     assert choose_k(0.009, 0.001, 50, flops=3e7) == 10  # a small step timed under load
     assert choose_k(0.03, 0.001, 50, flops=1e9) == 1
+    # on an accelerator the host's time hides under a longer step: no K-step program (a
+    # second compile) unless the shell nearly matches the step; a tiny step still windows
+    assert choose_k(0.075, 0.022, 50) == 10  # the CPU's rule: shell >= 0.25x the step
+    assert choose_k(0.075, 0.022, 50, overlapped=True) == 1  # the encoder on a TPU v5e
+    assert choose_k(0.00004, 0.0009, 50, overlapped=True) == 10  # the digits MLP there
+    assert choose_k(0.075, 0.07, 50, flops=1e12, overlapped=True) == 10  # host-bound
 
 
 def test_steps_per_call_refuses_other_values() -> None:

@@ -176,7 +176,8 @@ def _choose_k(module: JaxModule, times: tuple[float, float], jbatch: Any, batch:
     every = max(int(module.trainer.log_every_n_steps), 1)  # type: ignore[attr-defined]
     flops = getattr(module.compiled.stats, "flops_per_step", None)
     can = not module.adapter.reads_values(jbatch) and "mask" not in batch
-    module.windows.k = k = module.windows.choose(*times, every, flops) if can else 1
+    overlapped = module.adapter.placement.mesh.devices.flat[0].platform != "cpu"
+    module.windows.k = k = module.windows.choose(*times, every, flops, overlapped) if can else 1
     log_to_loggers(module, {"compile/steps_per_call": float(k)})
 
 
