@@ -109,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = args[0], args[1:]
+    from torchshell.app.quiet import configure
+
+    configure(verbose())  # every command's console: the known library noise left out
     if command == "train":
         _train_main(rest)
     elif command == "export":

@@ -4,6 +4,10 @@ end summary. Numbers are rounded for people; the exact values are in MLflow."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import RichProgressBar
@@ -32,20 +36,64 @@ def human(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def config_line(cfg: Config, run: Prepared) -> None:
-    """The one line that says what this run is.
+def _way_in(cfg: Config) -> str:
+    """How the model comes in: ``Flax MLP``, ``traced torch MLP``, ``ported Lightning M``."""
+    for kind, node in (
+        ("ported Lightning", cfg.model.lightning_module),
+        ("traced torch", cfg.model.torch),
+        ("Flax", cfg.model.flax),
+    ):
+        if node:
+            return f"{kind} {str(node.get('_target_', '?')).rsplit('.', 1)[-1]}"
+    return "no model"
+
+
+_PRESETS = {
+    "dp": "dp (params replicated)",
+    "fsdp": "fsdp (each param split over data)",
+    "tp": "tp (Dense kernels split over model)",
+    "fsdp_tp": "fsdp_tp (tp, then the rest split over data)",
+}
+
+
+def mesh_words(cfg: Config, devices: int, platform: str = "cpu") -> str:
+    """The mesh as it will be built: each axis at its size (``-1`` resolved) and the
+    sharding rules by name (``mesh.rules`` first, then the preset).
+
+    Example:
+        >>> from torchshell.app.config import compose_config, typed
+        >>> mesh_words(typed(compose_config(["data=digits", "mesh=fsdp"])), 2)
+        'mesh data=2 model=1 on 2 cpu devices, rules fsdp (each param split over data)'
+    """
+    axes = dict(cfg.mesh.axes)
+    used = cfg.mesh.num_devices or devices
+    fixed = math.prod(v for v in axes.values() if v != -1)
+    if fixed > 0 and used % fixed == 0:  # (else make_mesh refuses it, naming the sizes)
+        axes = {k: used // fixed if v == -1 else v for k, v in axes.items()}
+    shape = " ".join(f"{k}={v}" for k, v in axes.items())
+    rules = [f"mesh.rules {[str(r[0]) for r in cfg.mesh.rules]} then"] if cfg.mesh.rules else []
+    rules.append(_PRESETS.get(cfg.mesh.preset, cfg.mesh.preset))
+    of = f"{used} of {devices}" if used != devices else f"{devices}"
+    return f"mesh {shape} on {of} {platform} device{'s' if devices != 1 else ''}, rules " + (
+        " ".join(rules)
+    )
+
+
+def config_line(cfg: Config, run: Prepared, resume: str | None = None) -> None:
+    """The one line that says what this run is (and the checkpoint a resumed run starts from).
 
     Example:
         >>> from torchshell.app.config import compose_config, typed
         >>> from torchshell.app.prepare import Prepared
         >>> cfg = typed(compose_config(["data=digits", "step.compile_cache_dir=null"]))
         >>> config_line(cfg, Prepared(cfg, True, 2))  # doctest: +NORMALIZE_WHITESPACE
-        coreshell train: digits (DigitsDataModule, MLP), batch 64, adamw lr 0.003,
-        mesh {'data': -1, 'model': 1} on 2 cpu device(s), max_steps 600, fp32, compile cache off
+        coreshell train: digits (DigitsDataModule, Flax MLP), batch 64, adamw lr 0.003,
+        mesh data=2 model=1 on 2 cpu devices, rules dp (params replicated), max_steps 600,
+        fp32, compile cache off
     """
+    import jax
+
     data = str(cfg.data.get("_target_", "?")).rsplit(".", 1)[-1]
-    model = cfg.model.lightning_module or cfg.model.torch or cfg.model.flax or {}
-    model_name = str(model.get("_target_", "?")).rsplit(".", 1)[-1]
     recipe = cfg.model.recipe or cfg.data.get("recipe") or "custom"
     length = (
         f"max_epochs {cfg.trainer.max_epochs}"
@@ -53,12 +101,18 @@ def config_line(cfg: Config, run: Prepared) -> None:
         else f"max_steps {cfg.trainer.max_steps}"
     )
     cache = "compile cache on" if run.cache is not None else "compile cache off"
-    precision = "bf16" if cfg.precision.compute_dtype == "bfloat16" else "fp32"
+    resumed = f", resumes {resume}" if resume else ""
     print(
-        f"coreshell train: {recipe} ({data}, {model_name}), batch {cfg.data.get('batch_size')}, "
-        f"{cfg.optim.name} lr {human(cfg.optim.lr)}, mesh {dict(cfg.mesh.axes)} on "
-        f"{run.devices} cpu device(s), {length}, {precision}, {cache}"
+        f"coreshell train: {recipe} ({data}, {_way_in(cfg)}), batch "
+        f"{cfg.data.get('batch_size')}, {cfg.optim.name} lr {human(cfg.optim.lr)}, "
+        f"{mesh_words(cfg, run.devices, jax.devices()[0].platform)}, {length}, "
+        f"{precision_name(cfg)}, {cache}{resumed}"
     )
+
+
+def precision_name(cfg: Config) -> str:
+    """``bf16`` or ``fp32``: the step's compute dtype."""
+    return "bf16" if cfg.precision.compute_dtype == "bfloat16" else "fp32"
 
 
 class RunProgressBar(RichProgressBar):
@@ -86,6 +140,14 @@ class RunProgressBar(RichProgressBar):
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         return {k: human(v) if isinstance(v, float) else v for k, v in items.items()}
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The test split's bar goes when it is done: the console keeps one bar (the test
+        metrics are in the end summary)."""
+        if self.progress is not None and self.test_progress_bar_id is not None:
+            self.progress.update(self.test_progress_bar_id, advance=0, visible=False)
+            self.refresh()
+        super().on_test_end(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """One bar for a step-counted run; Lightning's reset per epoch otherwise."""
@@ -136,10 +198,45 @@ def end_summary(
     if not report.complete:
         print(f"  tracking: {report}")
     print(f"  metrics: {shown}")
-    parity = result["parity_max_abs_diff"]
-    checked = "no forward: not checked" if parity is None else f"parity max abs diff {parity:.1e}"
-    print(f"  torch weights: {result['export']} ({checked})")
+    print(f"  torch weights: {result['export']} ({parity_words(result)})")
     if run.cache is not None:
         print(f"  {run.cache}")
     if cfg.tracking.uri.startswith("sqlite:"):
-        print(f"  open it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+        print(f"  open it with: {mlflow_command()} ui --backend-store-uri {cfg.tracking.uri}")
+
+
+def parity_words(result: dict[str, Any]) -> str:
+    """The parity figure and its verdict at the precision the step computed in.
+
+    Example:
+        >>> parity_words({"parity_max_abs_diff": 9.1e-3, "parity_ok": True,
+        ...               "parity_tolerance": 0.05, "precision": "bf16"})
+        'parity max abs diff 9.1e-03: ok at bf16, tolerance 5e-02 + 5e-02 x |torch|'
+    """
+    parity = result.get("parity_max_abs_diff")
+    if parity is None:
+        return "no forward: not checked"
+    if "parity_ok" not in result:
+        return f"parity max abs diff {parity:.1e}"
+    tol, precision = result["parity_tolerance"], result["precision"]
+    verdict = f"ok at {precision}" if result["parity_ok"] else f"TOO FAR for {precision}"
+    return f"parity max abs diff {parity:.1e}: {verdict}, tolerance {tol:.0e} + {tol:.0e} x |torch|"
+
+
+def mlflow_command() -> str:
+    """How to run this environment's ``mlflow`` from here: ``mlflow`` when the shell finds
+    this interpreter's own, else its path (``.venv/bin/mlflow``: a venv used without being
+    activated), else ``python -m mlflow``.
+
+    Example:
+        >>> mlflow_command().endswith("mlflow")
+        True
+    """
+    beside = Path(sys.executable).parent / "mlflow"  # (not resolved: the venv's bin/)
+    found = shutil.which("mlflow")
+    if beside.is_file():
+        if found is not None and Path(found).resolve() == beside.resolve():
+            return "mlflow"
+        relative = os.path.relpath(beside)
+        return relative if not relative.startswith("..") else str(beside)
+    return "mlflow" if found is not None else f"{sys.executable} -m mlflow"

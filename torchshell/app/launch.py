@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from torchshell._errors import ConfigError
+from torchshell.app.quiet import GLOO_CONNECTED, verbose
 
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 _POLL_S = 0.05
@@ -155,9 +156,15 @@ def _describe(returncode: int) -> str:
 
 
 def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    """Relays a child's output, each line prefixed with its rank; gloo's note that a rank
+    reached every peer it expected (one per rank, printed by C++) is dropped unless
+    ``--verbose`` (a rank that misses a peer is still shown, and fails the run)."""
     prefix = f"[rank {rank}] "
+    everything = verbose()
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        if not everything and GLOO_CONNECTED.match(line):
+            continue
         with lock:
             out.write(prefix + line + "\n")
             out.flush()

@@ -31,10 +31,19 @@ _LOG_LINES = [
     ),
     (
         "lightning.pytorch.utilities.rank_zero",
-        r"^(GPU|TPU|HPU) available: |^💡 Tip: |^`Trainer\.fit` stopped: `max_steps=",
+        r"^(GPU|TPU|HPU) available: |^💡 Tip: |^`Trainer\.fit` stopped: `max_steps="
+        r"|^Restor(ing|ed all) states from the checkpoint",
         "Lightning runs on one CPU process by design (JAX owns the devices), so its device "
         "report is always 'not used'; the litlogger advert; the stop at max_steps is what "
-        "the progress bar shows.",
+        "the progress bar shows; the checkpoint a resumed run restores is in the config line "
+        "(Lightning said it twice: through its own handler and Hydra's).",
+    ),
+    (
+        "torch.onnx._internal.exporter._schemas",
+        r"^Missing annotation for parameter ",
+        "torch's ONNX exporter builds its table of onnxscript functions on the first export "
+        "and notes each untyped parameter of torchvision's ops (roi_align, roi_pool); no "
+        "coreshell model uses them. `coreshell export` prints what it wrote and the parity.",
     ),
     (
         "mlflow.store.db.utils",
@@ -65,6 +74,13 @@ _LOGGER_LEVELS = [
         "a first run builds matplotlib's font cache and says 'generated new fontManager'.",
     ),
 ]
+
+# a line the children of `coreshell launch` print (C++: no logger to filter), dropped from
+# their relayed output when the rank reached every peer it expected
+GLOO_CONNECTED = re.compile(
+    r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : \1\s*$"
+)
 
 # (category, message pattern, module, why); the category is the builtin base of the one
 # raised (Lightning's PossibleUserWarning is a UserWarning): naming it would import Lightning
@@ -130,6 +146,30 @@ def configure(verbose: bool) -> None:
             logger.addFilter(_Drop(pattern))
     for category, pattern, module, _why in _WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category, module=module)
+
+
+@contextmanager
+def resuming(ckpt_path: str | None) -> Iterator[None]:
+    """Around ``trainer.fit`` of a resumed run: Lightning's warning that the checkpoint
+    folder "exists and is not empty" is the point of a resume (the run goes on in its own
+    folder, and the config line names the checkpoint). A new run into a full folder (an
+    explicit ``ckpt.dir``) still gets it.
+
+    Example:
+        >>> with resuming(None):
+        ...     pass
+    """
+    if ckpt_path is None or verbose():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"Checkpoint directory .* exists and is not empty",
+            category=UserWarning,
+            module="lightning.pytorch.callbacks.model_checkpoint",
+        )
+        yield
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import bridge
 import jaxcore
 from torchshell import distributed
 from torchshell._errors import ConfigError
-from torchshell.app import console, run_dirs
+from torchshell.app import console, quiet, run_dirs
 from torchshell.app.config import Config, TrainerConfig, plain
 from torchshell.app.prepare import Prepared, build, prepare_run
 from torchshell.app.publish import predict_test_split, publish
@@ -85,7 +85,7 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
     if run.main:  # the run directory is complete for `coreshell export RUN_DIR`
         out_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(resolved), out_dir / "config.yaml")
-        console.config_line(cfg, run)
+        console.config_line(cfg, run, resume=None if ckpt_path is None else str(ckpt_path))
     data, module, twin = build(cfg)
     if cfg.step.dump_hlo and run.main:
         module.hlo_dump_dir = out_dir / "hlo"
@@ -107,7 +107,8 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
     status = "FAILED"
     try:
         try:
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+            with quiet.resuming(None if ckpt_path is None else str(ckpt_path)):
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         except SIGTERMException:
             status = "KILLED"
             print(
