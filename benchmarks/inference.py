@@ -13,8 +13,11 @@ outputs are checked equal to the JAX core's within 1e-4:
 - the pt2 program MLflow serves (``torch.export`` with the twin's dynamic axes,
   :func:`torchshell.export.export_program`, saved and loaded back as a ``.pt2`` archive);
 - ONNX Runtime on the ONNX export (:func:`torchshell.export.write_onnx`);
-- ``mlflow models serve`` over HTTP on 127.0.0.1 (the twin saved with ``mlflow.pytorch``,
-  pt2 serialization): requests/s at 4 concurrent clients, a bounded number of requests.
+- ``mlflow models serve`` over HTTP on 127.0.0.1 of the served model as ``coreshell train``
+  logs it (waveforms in: the front end too), before issue #54 (the ``torch.export`` program)
+  and after (the JAX core, ONNX Runtime for batches of up to 4), side by side: p50 latency
+  and requests/s at 4 clients, batch 1 and 64, and each model's ``predict`` in process
+  (:mod:`benchmarks._served`).
 
 Batch-1 latency as p50/p99 over ``--requests`` calls; batch-64 throughput as rows/s.
 
@@ -24,19 +27,12 @@ Run: ``.venv/bin/python benchmarks/inference.py [--tiny] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import _stats  # noqa: E402
+from benchmarks import _served, _stats  # noqa: E402
 
 Row = dict[str, Any]
 Fn = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -100,7 +96,8 @@ def torch_fn(module: Any) -> Fn:
 def pt2_fn(twin: torch.nn.Module, tmp: Path) -> Fn:
     from torchshell.export import export_program
 
-    program = export_program(twin, twin.example_input(2))
+    make: Any = twin.example_input  # the twin's own method
+    program = export_program(twin, make(2))
     torch.export.save(program, tmp / "encoder.pt2")
     return torch_fn(torch.export.load(tmp / "encoder.pt2").module())
 
@@ -140,94 +137,6 @@ def throughput(fn: Fn, calls: int) -> float:
     for _ in range(calls):
         fn(f, m)
     return 64 * calls / (time.perf_counter() - t0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Packed(torch.nn.Module):
-    """The twin behind one input tensor ``[B, T, mels + 1]`` (the last channel: the frame
-    mask), the single-array input MLflow's pyfunc and its JSON take."""
-
-    def __init__(self, twin: torch.nn.Module) -> None:
-        super().__init__()
-        self.twin = twin
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.twin(x[..., :-1], x[..., -1] > 0.5)  # type: ignore[no-any-return]
-
-
-def _packed(f: np.ndarray, m: np.ndarray) -> np.ndarray:
-    return np.concatenate([f, m[..., None].astype(np.float32)], axis=-1)
-
-
-def serve_rate(twin: torch.nn.Module, tmp: Path, requests: int, want: np.ndarray) -> Row:
-    """``mlflow models serve`` on 127.0.0.1: requests/s at 4 concurrent clients."""
-    import mlflow
-
-    f, m = _inputs(1, seed=0)
-    x = _packed(f, m)
-    path = tmp / "mlflow-model"
-    mlflow.pytorch.save_model(
-        Packed(twin).eval(),
-        str(path),
-        input_example=x,
-        pip_requirements=["torch"],
-        serialization_format="pt2",
-    )
-    port = _free_port()
-    log = (tmp / "serve.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(path), "--env-manager",
-         "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the server's workers end with it
-        # mlflow execs `uvicorn` by name: this interpreter's bin folder first on PATH
-        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"},
-    )  # fmt: skip
-    body = json.dumps({"inputs": x.tolist()}).encode()
-
-    def post() -> np.ndarray:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/invocations",
-            body,
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return np.asarray(json.loads(r.read())["predictions"], np.float32)
-
-    try:
-        deadline = time.monotonic() + 600  # (gunicorn, torch and the pt2 load: slow under load)
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    tail = (tmp / "serve.log").read_text()[-3000:]
-                    raise RuntimeError(f"mlflow models serve did not come up:\n{tail}") from None
-                time.sleep(0.5)
-        got = post()
-        diff = float(np.max(np.abs(got.reshape(want.shape) - want)))
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda _: post(), range(requests)))
-        rate = requests / (time.perf_counter() - t0)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-        log.close()
-    return _stats.row(
-        BENCH,
-        "mlflow models serve (HTTP, pt2), 4 clients",
-        "requests/s",
-        [rate],
-        note=f"batch 1, {requests} requests; max |diff| {diff:.1e}",
-    )
 
 
 def main() -> None:
@@ -274,11 +183,10 @@ def main() -> None:
                 note=f"max |diff| vs JAX {diff:.1e}",
             )
         )
-    if not args.no_serve:
-        one = _inputs(1, seed=0)
-        rows.append(
-            serve_rate(twin, tmp, 8 if args.tiny else 200, paths["torch twin, eager"](*one))
-        )
+    if not args.no_serve:  # the served model, as `coreshell train` logs it, before and after
+        counts = {1: (5, 8), 64: (2, 4)} if args.tiny else {1: (100, 200), 64: (10, 20)}
+        serving: Any = twin.serving  # the twin's own method
+        rows += _served.served_rows(serving(), tmp, BENCH, counts)
     print(_stats.markdown(rows))
     if args.json:
         _stats.write_rows(args.json, rows, _stats.machine())

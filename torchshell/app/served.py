@@ -1,10 +1,11 @@
-"""The MLflow model of a waveform recipe: the serving module's pt2 program behind a pyfunc.
+"""The MLflow model of a waveform recipe: the serving module's fastest core behind a pyfunc.
 
 ``mlflow.pytorch`` takes one array (``Tensor('float32', (-1, 8000))`` for the speech recipe:
 every clip the example's length). A batch of clips of different lengths needs two named
 inputs, so the speech model is logged as a pyfunc from code
-(:mod:`torchshell.app.waveform_model`) holding ``torch.export``'s program with dynamic batch
-and sample axes. The request format is documented there and in ``docs/serving.md``.
+(:mod:`torchshell.app.waveform_model`) over the JAX core with dynamic batch and sample axes
+(:mod:`torchshell.app.served_core`; ONNX Runtime for small batches), or ``torch.export``'s
+program (``core="pt2"``). The request format is documented there and in ``docs/serving.md``.
 """
 
 from __future__ import annotations
@@ -107,52 +108,79 @@ def signature(num_classes: int) -> Any:
     )
 
 
-def save_waveform_model(serving: torch.nn.Module, path: str | Path) -> dict[str, Any]:
-    """Writes the pyfunc model directory (``MLmodel``, the pt2 program, ``serving.json``).
+def save_waveform_model(
+    serving: torch.nn.Module, path: str | Path, *, core: str = "jax"
+) -> dict[str, Any]:
+    """Writes the pyfunc model directory (``MLmodel``, the core's files, ``serving.json``).
 
     Args:
         serving: the waveform module (``forward(waveform[B, N], lengths[B]) -> logits``)
             with ``example_input()`` and ``dynamic_axes``.
         path: a directory that does not exist yet.
+        core: ``"jax"`` (the served default) or ``"pt2"`` (:func:`waveform_model_kwargs`).
 
     Returns:
         The keyword arguments ``mlflow.pyfunc.log_model`` takes for the same model.
     """
     import mlflow
 
-    kwargs = waveform_model_kwargs(serving, Path(tempfile.mkdtemp(prefix="coreshell-pt2-")))
-    with quiet_pyfunc():
-        mlflow.pyfunc.save_model(str(path), **kwargs)
+    with tempfile.TemporaryDirectory(prefix="coreshell-served-") as work:  # copied into path
+        kwargs = waveform_model_kwargs(serving, Path(work), core=core)
+        with quiet_pyfunc():
+            mlflow.pyfunc.save_model(str(path), **kwargs)
     return kwargs
 
 
-def waveform_model_kwargs(serving: torch.nn.Module, work: Path) -> dict[str, Any]:
-    """Exports the program into ``work`` and returns pyfunc ``log_model``/``save_model`` kwargs.
+def waveform_model_kwargs(
+    serving: torch.nn.Module, work: Path, *, core: str = "jax"
+) -> dict[str, Any]:
+    """Writes the model's core into ``work``; returns pyfunc ``log_model``/``save_model`` kwargs.
+
+    Args:
+        serving: the waveform module.
+        work: folder for the artifacts.
+        core: ``"jax"``: the JAX front end and encoder as ``jax.export`` programs, the encoder
+            in ONNX Runtime for small batches (:mod:`torchshell.app.served_core`); served
+            with jax, jaxlib, numpy, mlflow (and onnxruntime). ``"pt2"``: ``torch.export``'s
+            program of ``serving`` (the model before #54; any serving module); served with
+            torch, numpy, mlflow.
 
     Example:
         >>> from torchshell.twins.spoken_digits import SpokenDigitsEncoder
         >>> serving = SpokenDigitsEncoder(width=16, depth=1, heads=2).serving()
-        >>> kw = waveform_model_kwargs(serving, Path(tempfile.mkdtemp()))
+        >>> kw = waveform_model_kwargs(serving, Path(tempfile.mkdtemp()), core="pt2")
         >>> sorted(kw["artifacts"]), kw["input_example"]["lengths"].tolist()
         (['program', 'serving'], [8000, 4800])
     """
     from torchshell.tracking import default_pip_requirements
 
+    if core not in ("jax", "pt2"):
+        raise ValueError(f"core={core!r}: expected 'jax' or 'pt2'. Fix: pass one of them.")
     serving.eval()
     make: Any = serving.example_input  # the module's own method
     waveform, lengths = make()
     with torch.no_grad():
         num_classes = int(serving(waveform, lengths).shape[-1])
-    program = export_program(serving, (waveform, lengths))
     work.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, work / "program.pt2")
-    (work / "serving.json").write_text(json.dumps(serving_spec(serving, num_classes), indent=1))
+    spec = serving_spec(serving, num_classes)
+    if core == "jax":
+        from torchshell.app.served_core import write_jax_core
+
+        artifacts, entries = write_jax_core(serving, work)
+        requirements = entries.pop("requirements")
+        spec.update(entries)
+    else:
+        program = export_program(serving, (waveform, lengths))
+        torch.export.save(program, work / "program.pt2")
+        artifacts, requirements = {"program": str(work / "program.pt2")}, default_pip_requirements()
+        spec["core"] = "pt2"
+    (work / "serving.json").write_text(json.dumps(spec, indent=1))
     return {
         "python_model": str(CODE),
-        "artifacts": {"program": str(work / "program.pt2"), "serving": str(work / "serving.json")},
+        "artifacts": {**artifacts, "serving": str(work / "serving.json")},
         "signature": signature(num_classes),
         "input_example": {"waveform": waveform.numpy(), "lengths": lengths.numpy()},
-        "pip_requirements": default_pip_requirements(),
+        "pip_requirements": requirements,
     }
 
 
@@ -174,22 +202,23 @@ def log_waveform_model(
 
     if not logger.enabled:
         return None
-    kwargs = waveform_model_kwargs(serving, Path(tempfile.mkdtemp(prefix="coreshell-pt2-")))
-    _ = logger.version  # waits a few seconds for the run to exist
-    if logger.run_id is not None and server_is_up(logger.tracking_uri):
-        try:
-            with (
-                _use_tracking_uri(logger.tracking_uri),
-                mlflow.start_run(run_id=logger.run_id),
-                quiet_pyfunc(),
-            ):
-                return mlflow.pyfunc.log_model(
-                    name=name, registered_model_name=register_as, **kwargs
-                )
-        except Exception as error:  # the store went away: keep it locally
-            logger.report.errors.append(f"log_waveform_model: {type(error).__name__}: {error}")
-    local = logger.stage_path(name)
-    with quiet_pyfunc():
-        mlflow.pyfunc.save_model(str(local), **kwargs)
+    with tempfile.TemporaryDirectory(prefix="coreshell-served-") as work:  # copied when logged
+        kwargs = waveform_model_kwargs(serving, Path(work))
+        _ = logger.version  # waits a few seconds for the run to exist
+        if logger.run_id is not None and server_is_up(logger.tracking_uri):
+            try:
+                with (
+                    _use_tracking_uri(logger.tracking_uri),
+                    mlflow.start_run(run_id=logger.run_id),
+                    quiet_pyfunc(),
+                ):
+                    return mlflow.pyfunc.log_model(
+                        name=name, registered_model_name=register_as, **kwargs
+                    )
+            except Exception as error:  # the store went away: keep it locally
+                logger.report.errors.append(f"log_waveform_model: {type(error).__name__}: {error}")
+        local = logger.stage_path(name)
+        with quiet_pyfunc():
+            mlflow.pyfunc.save_model(str(local), **kwargs)
     logger.log_artifact(local, name)
     return None

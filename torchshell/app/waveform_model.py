@@ -1,7 +1,18 @@
-"""The served speech model: an MLflow pyfunc over ``torch.export``'s program (models from code).
+"""The served speech model: an MLflow pyfunc over the fastest core (models from code).
 
 MLflow copies this file into the logged model and runs it at load time, so it imports only
-what the serving environment has (numpy, torch, mlflow): no coreshell code, no pickle.
+what the serving environment has (numpy, mlflow and the core's runtime, as the model's
+requirements list them): no coreshell code, no pickle. The core (``serving.json``'s ``core``):
+
+- ``"jax"``: ``jax.export`` programs (StableHLO, the trained weights inside) of the JAX front
+  end and encoder (``core``) and of the front end alone (``front``), with symbolic batch and
+  sample axes. A request is padded to a bucket (rows and samples, at most 25% more: a few
+  compiled shapes serve every batch and length; padding changes no clip's result), then a
+  batch of up to ``onnx_max_batch`` clips runs the front end in JAX and the encoder in ONNX
+  Runtime (``encoder``, one thread, no per-shape compile: faster at batch 1), a larger one the
+  whole JAX program. Requirements: jax, jaxlib, numpy, mlflow (and onnxruntime).
+- ``"pt2"``: ``torch.export``'s program of the torch serving module (the model before #54,
+  the benchmarks' baseline). Requirements: torch, numpy, mlflow.
 
 Request (``mlflow.pyfunc`` and ``mlflow models serve`` alike): a dict of two tensors,
 
@@ -15,13 +26,14 @@ Response: ``{"logits": [B, C], "probabilities": [B, C], "label": [B]}``.
 
 from __future__ import annotations
 
+import collections
 import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import mlflow
 import numpy as np
-import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
@@ -83,8 +95,13 @@ def validated(model_input: Any, spec: dict[str, Any]) -> tuple[np.ndarray, np.nd
     if not isinstance(model_input, dict) or not {"waveform", "lengths"} <= set(model_input):
         got = sorted(model_input) if isinstance(model_input, dict) else type(model_input).__name__
         raise _refuse(f"Expected a dict with 'waveform' and 'lengths'; got {got}. Fix: {FORMAT}.")
-    waveform = np.asarray(model_input["waveform"], dtype=np.float32)
-    lengths = np.asarray(model_input["lengths"]).reshape(-1)
+    try:  # MLflow hands over arrays, or the request's own lists (JSON numbers)
+        waveform = np.asarray(model_input["waveform"], dtype=np.float32)
+        lengths = np.asarray(model_input["lengths"]).reshape(-1)
+    except (TypeError, ValueError) as err:
+        raise _refuse(
+            f"waveform and lengths must be arrays of numbers; got {str(err)[:ECHO]}. Fix: {FORMAT}."
+        ) from None
     if waveform.ndim == 1:
         waveform = waveform[None]
     if waveform.ndim != 2 or len(lengths) != len(waveform) or not len(waveform):
@@ -111,8 +128,99 @@ def validated(model_input: Any, spec: dict[str, Any]) -> tuple[np.ndarray, np.nd
     return np.ascontiguousarray(waveform), lengths.astype(np.int64)
 
 
+#: Samples of a padded request are a multiple of this (two 10 ms frames: the stride-2 stem).
+SAMPLE_STEP = 320
+
+
+def bucket(n: int) -> int:
+    """The padded size of ``n`` rows (or sample steps): ``n`` up to 8, else the smallest
+    ``m * 2**e >= n`` with ``m`` in 4..8, so at most 25% padding and four sizes an octave.
+
+    Example:
+        >>> [bucket(n) for n in (1, 5, 8, 9, 33, 64, 65, 250)]
+        [1, 5, 8, 10, 40, 64, 80, 256]
+    """
+    if n <= 8:
+        return n
+    shift = n.bit_length() - 3
+    return -(-n >> shift) << shift
+
+
+class JaxCore:
+    """The ``"jax"`` core: the exported JAX programs, and ONNX Runtime for small batches."""
+
+    def __init__(self, artifacts: dict[str, str], spec: dict[str, Any]) -> None:
+        import jax
+        from jax import export
+
+        def load(name: str) -> Any:
+            return jax.jit(export.deserialize(bytearray(Path(artifacts[name]).read_bytes())).call)
+
+        self.cpu = jax.devices("cpu")[0]  # exported for the CPU, wherever JAX's default is
+        self.core, self.front = load("core"), load("front")
+        self.onnx_max_batch, self.session = 0, None
+        if "encoder" in artifacts and spec.get("onnx_max_batch", 0) > 0:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = 1  # a small batch: threads cost more than they give
+            self.session = ort.InferenceSession(
+                artifacts["encoder"], options, providers=["CPUExecutionProvider"]
+            )
+            self.names = [i.name for i in self.session.get_inputs()]
+            self.onnx_max_batch = int(spec["onnx_max_batch"])
+        self.ran: collections.Counter[str] = collections.Counter()  # requests per path
+
+    def logits(self, waveform: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        import jax
+
+        b, n = waveform.shape
+        rows, width = bucket(b), bucket(-(-n // SAMPLE_STEP)) * SAMPLE_STEP
+        wave = np.zeros((rows, width), np.float32)
+        wave[:b, :n] = waveform
+        sizes = np.full(rows, n, np.int32)  # padded rows: silent clips, sliced off below
+        sizes[:b] = lengths
+        with jax.default_device(self.cpu):
+            if b <= self.onnx_max_batch:
+                self.ran["onnx"] += 1
+                features, mask = (np.asarray(x)[:b] for x in self.front(wave, sizes))
+                t = int(mask.sum(axis=1).max())  # the frames past every clip's end dropped
+                feeds = dict(zip(self.names, (features[:, :t], mask[:, :t]), strict=True))
+                return self.session.run(None, feeds)[0]  # type: ignore[union-attr,no-any-return]
+            self.ran["jax"] += 1
+            return np.asarray(self.core(wave, sizes))[:b]
+
+
+class Pt2Core:
+    """The ``"pt2"`` core: ``torch.export``'s program of the torch serving module."""
+
+    def __init__(self, artifacts: dict[str, str], spec: dict[str, Any]) -> None:
+        import torch
+
+        # torch.export.load builds the weights with torch.frombuffer over the archive's
+        # read-only bytes and warns that the buffer is not writable (nothing writes to it):
+        # not the serving user's concern
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"The given buffer is not writable", category=UserWarning
+            )
+            self.program = torch.export.load(artifacts["program"]).module()
+        self.ran: collections.Counter[str] = collections.Counter()
+
+    def logits(self, waveform: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        import torch
+
+        self.ran["pt2"] += 1
+        with torch.no_grad():
+            out = self.program(torch.from_numpy(waveform), torch.from_numpy(lengths))
+        return out.numpy()  # type: ignore[no-any-return]
+
+
+CORES = {"jax": JaxCore, "pt2": Pt2Core}
+
+
 class WaveformClassifier(PythonModel):
-    """Runs the exported program (waveform and lengths in, logits out) on a validated batch."""
+    """Runs the model's core (waveform and lengths in, logits out) on a validated batch."""
 
     # The signature is explicit and `validated` checks every request: MLflow's own wrapping of
     # `predict` by its type hints (and its advice to add some) is skipped, as for its ChatModel
@@ -121,22 +229,14 @@ class WaveformClassifier(PythonModel):
     def load_context(self, context):
         with open(context.artifacts["serving"]) as f:
             self.spec = json.load(f)
-        # torch.export.load builds the weights with torch.frombuffer over the archive's
-        # read-only bytes and warns that the buffer is not writable (nothing writes to it):
-        # not the serving user's concern
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=r"The given buffer is not writable", category=UserWarning
-            )
-            self.program = torch.export.load(context.artifacts["program"]).module()
+        self.core = CORES[self.spec.get("core", "pt2")](context.artifacts, self.spec)
 
     def predict(self, context, model_input, params=None):
         waveform, lengths = validated(model_input, self.spec)
-        with torch.no_grad():
-            logits = self.program(torch.from_numpy(waveform), torch.from_numpy(lengths)).numpy()
+        logits = np.asarray(self.core.logits(waveform, lengths), np.float32)
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return {
-            "logits": logits.astype(np.float32),
+            "logits": logits,
             "probabilities": (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32),
             "label": logits.argmax(axis=1).astype(np.int64),
         }
