@@ -42,6 +42,7 @@ OPS = [
     ("index_add", ""),
     ("index_copy", ""),
     ("index_fill", ""),
+    *(("index_reduce", mode) for mode in ("prod", "mean", "amax", "amin")),
     ("add", ""),
     ("matmul", ""),
     ("log_softmax", ""),

@@ -25,6 +25,7 @@ from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._func import traced_gradients
 from torchshell.trace._hf import uncached
 from torchshell.trace._host_random import host_random_refused
+from torchshell.trace._index_reduce import index_reduce
 from torchshell.trace._inplace import install_inplace, written_through_views
 from torchshell.trace._kinks import kink_lowerings
 from torchshell.trace._lowerings import (
@@ -77,6 +78,7 @@ def environment(reads: Reads) -> Any:
         # (torch 2.9's own decomposition, which torchax would use, counts the target slots
         # after the first -1: a wrong loss, silently)
         torch.ops.aten.multilabel_margin_loss_forward.default: multilabel_margin_loss,
+        torch.ops.aten.index_reduce.default: index_reduce,  # (torch's gradient; index_reduce_)
         # windows built in a forward (torch.stft(x, n, window=torch.hann_window(n)))
         **{getattr(torch.ops.aten, f"{kind}_window").default: window(kind) for kind in WINDOWS},
         **{getattr(torch.ops.aten, f"{kind}_window").periodic: window(kind) for kind in WINDOWS},
