@@ -4,10 +4,10 @@ Each round runs the real ``coreshell train`` once per case, in a rotating order,
 spoken-digits recipe (``--recipe digits`` for the MLP): ``ckpt.every_n_steps=0`` (off) and
 ``ckpt.every_n_steps=10`` (asynchronous saves: Orbax state, ``lightning.pt``, the torch
 export and the config, manifest, rename; ``ckpt.keep=2``, so a removal per save too).
-The step time is read from the run's own ``coreshell/perf/steps_per_s`` (wall time between logging
-steps, every 10 steps: each interval holds exactly one checkpoint), the first intervals
-(compile, first batches) excluded. Prints medians with the min-max spread over the rounds
-and the ratio to ``off``.
+The step time is read from the run's own ``system/coreshell.perf.steps_per_s`` (wall time
+between logging steps, every 10 steps: each interval holds exactly one checkpoint), the
+first intervals (compile, first batches) excluded. Prints medians with the min-max spread
+over the rounds and the ratio to ``off``.
 
     .venv/bin/python benchmarks/checkpoint_cost.py --rounds 3 --steps 300
 """
@@ -50,11 +50,11 @@ def step_ms(tmp: Path, name: str, recipe: str, steps: int, warmup: int, case: st
         ),
         tmp,
     )
-    rates = _runs.losses(tmp, name, "coreshell/perf/steps_per_s")
+    rates = _runs.losses(tmp, name, "system/coreshell.perf.steps_per_s")
     kept = [rates[s] for s in sorted(rates)][warmup:]
     if not kept:
         raise RuntimeError(
-            f"{name}: no coreshell/perf/steps_per_s after {warmup} intervals: {rates}"
+            f"{name}: no system/coreshell.perf.steps_per_s after {warmup} intervals: {rates}"
         )
     return 1e3 * statistics.mean(1.0 / r for r in kept)
 

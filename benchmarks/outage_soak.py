@@ -213,7 +213,10 @@ def soak(tmp: Path, mode: str) -> Result:
     for key in run.data.metrics:
         history = client.get_metric_history(run_id, key)
         steps = sorted({m.step for m in history})
-        if key.startswith(("train/", "coreshell/perf/", "coreshell/bridge/")) and len(steps) > 1:
+        if (
+            key.startswith(("train/", "system/coreshell.perf.", "system/coreshell.bridge."))
+            and len(steps) > 1
+        ):
             expected = set(range(steps[0], steps[-1] + 1, every))
             result.missing[key] = len(expected - set(steps))
     loss = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)

@@ -75,7 +75,7 @@ def run_figures(uri: str, run_id: str) -> dict[str, Any]:
     m, p = run.data.metrics, run.data.params
     batch = float(p.get("data.batch_size", 64))
     steps = float(p.get("trainer.max_steps", 600))
-    samples_s = m.get("coreshell/perf/samples_per_s", m.get("samples/s", float("nan")))
+    samples_s = m.get("system/coreshell.perf.samples_per_s", m.get("samples/s", float("nan")))
     return {
         "test_accuracy": m.get("test/accuracy"),
         "test_examples": m.get("test/examples"),

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import CLI, run_all, run_ok
+from tests.torchshell.test_tracking_ui import sections
 from torchshell._errors import ConfigError
 from torchshell.app.export_cli import export_command
 from torchshell.twins.digits import MLP as TwinMLP
@@ -64,7 +65,7 @@ def test_coreshell_train_end_to_end(digits_run: tuple[Path, str]):
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(losses) >= 10 and losses[-1] < losses[0] / 3
     assert run.data.metrics["val/accuracy"] > 0.9
-    assert run.data.metrics["export/parity_max_abs_diff"] < 1e-5
+    assert run.data.metrics["system/coreshell.export.parity_max_abs_diff"] < 1e-5
     assert run.data.params["optim.name"] == "adamw"
 
     local = client.download_artifacts(run.info.run_id, "export", str(tmp_path / "dl"))
@@ -83,7 +84,14 @@ def test_run_page_has_what_deployment_needs(digits_run: tuple[Path, str], monkey
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "model_summary.txt", "hlo", "plots", "export"} <= names
     assert run.data.tags["versions.jax"] and run.data.tags["mesh.shape"]
-    assert any(k.startswith("coreshell/compile/") for k in run.data.metrics)  # 3728e52
+    assert any(k.startswith("system/coreshell.compile.") for k in run.data.metrics)  # 3728e52
+    # MLflow's run page opens on the run's own metrics; coreshell's are in System metrics
+    assert [name for name, _ in sections(run.data.metrics)] == [
+        "test",
+        "train",
+        "val",
+        "Model metrics",
+    ]
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")

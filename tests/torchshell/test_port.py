@@ -596,7 +596,7 @@ def test_lightning_demo_modules_train_unchanged(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, max_steps=3)
     trainer.fit(jm, DataLoader(pairs, batch_size=8))
     assert trainer.global_step == 3 and math.isfinite(
-        trainer.logger.rows[-1][1]["coreshell/train/loss"]
+        trainer.logger.rows[-1][1]["system/coreshell.train.loss"]
     )
 
 

@@ -1,6 +1,6 @@
 """JaxModule.from_lightning logs as plain Lightning does: on-step values at Lightning's own
 steps with their ``epoch``, ``trainer.logged_metrics`` after fit, and coreshell's telemetry
-under ``coreshell/`` beside (never over) the user's names; ``batch_idx`` in a traced
+under ``system/coreshell.`` beside (never over) the user's names; ``batch_idx`` in a traced
 ``training_step`` refused when computed with."""
 
 from __future__ import annotations
@@ -104,18 +104,19 @@ def test_rows_steps_epochs_and_logged_metrics_are_plain_lightnings(
         assert [(s, e) for s, e, _ in got] == [(s, e) for s, e, _ in want], name
         np.testing.assert_allclose([v for *_, v in got], [v for *_, v in want], rtol=1e-5)
     assert not _rows(ours, "hidden") and not _rows(plain, "hidden")
-    # everything coreshell adds is under coreshell/, and it is logged (throughput, transfers)
+    # everything coreshell adds is under system/coreshell., and it is logged (throughput, transfers)
     user = {k for _, m in plain.rows for k in m}
     added = {k for _, m in ours.rows for k in m} - user
-    assert added and all(k.startswith("coreshell/") for k in added), sorted(added)
-    assert {"coreshell/perf/samples_per_s", "coreshell/train/loss"} <= added
-    assert any(k.startswith("coreshell/compile/") for k in added)
-    # logged_metrics and callback_metrics: plain Lightning's names and values, plus coreshell/
+    assert added and all(k.startswith("system/coreshell.") for k in added), sorted(added)
+    assert {"system/coreshell.perf.samples_per_s", "system/coreshell.train.loss"} <= added
+    assert any(k.startswith("system/coreshell.compile.") for k in added)
+    # logged_metrics and callback_metrics: plain Lightning's names and values, plus
+    # system/coreshell.
     for got_, want_ in (
         (t_ours.logged_metrics, t_plain.logged_metrics),
         (t_ours.callback_metrics, t_plain.callback_metrics),
     ):
-        mine = {k: float(v) for k, v in got_.items() if not k.startswith("coreshell/")}
+        mine = {k: float(v) for k, v in got_.items() if not k.startswith("system/coreshell.")}
         theirs = {k: float(v) for k, v in want_.items()}
         assert set(mine) == set(theirs), (sorted(mine), sorted(theirs))
         for k, v in theirs.items():
@@ -195,7 +196,7 @@ def test_manual_optimization_logs_at_lightnings_steps(tmp_path: Path) -> None:
 
 def test_mlflow_store_holds_user_names_and_coreshell_telemetry(tmp_path: Path) -> None:
     """A real MLflow store (SQLite) through coreshell's logger: the user's names at plain
-    Lightning's steps, coreshell's figures only under coreshell/."""
+    Lightning's steps, coreshell's figures only under system/coreshell."""
     from torchshell.tracking import AsyncMLflowLogger
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -211,7 +212,7 @@ def test_mlflow_store_holds_user_names_and_coreshell_telemetry(tmp_path: Path) -
     assert {"train_loss", "both_step", "both_epoch", "acc", "loss", "epoch"} <= keys
     assert not keys & {"samples/s", "perf/samples_per_s", "compile/recompiles"}
     assert {k for k in keys if "/" in k} and all(
-        k.startswith("coreshell/") for k in keys if "/" in k
+        k.startswith("system/coreshell.") for k in keys if "/" in k
     )
     steps = sorted(m.step for m in client.get_metric_history(report.run_id, "train_loss"))
     assert steps == [s for s, _, _ in _rows(plain, "train_loss")]
@@ -360,7 +361,7 @@ def test_flax_path_telemetry_is_under_coreshell_and_the_bar_still_shows_the_loss
     tmp_path: Path,
 ) -> None:
     """The Flax path logs its model's values as ``train/*`` and coreshell's figures under
-    ``coreshell/``; the bar's loss and samples/s are not in ``callback_metrics``."""
+    ``system/coreshell.``; the bar's loss and samples/s are not in ``callback_metrics``."""
     import jaxcore
     from jaxcore.models.digits import MLP
     from torchshell.data.digits import DigitsDataModule
@@ -375,7 +376,7 @@ def test_flax_path_telemetry_is_under_coreshell_and_the_bar_still_shows_the_loss
     trainer = _trainer(tmp_path, rec, max_epochs=None, max_steps=6, log_every_n_steps=2)
     trainer.fit(module, DigitsDataModule(batch_size=32))
     keys = {k for _, m in rec.rows for k in m}
-    assert "train/loss" in keys and "coreshell/perf/samples_per_s" in keys
-    assert all(k.startswith(("train/", "coreshell/")) or k == "epoch" for k in keys), keys
+    assert "train/loss" in keys and "system/coreshell.perf.samples_per_s" in keys
+    assert all(k.startswith(("train/", "system/coreshell.")) or k == "epoch" for k in keys), keys
     assert not {"loss", "samples/s"} & set(trainer.callback_metrics)
     assert {"loss", "samples/s"} <= set(trainer.progress_bar_metrics)

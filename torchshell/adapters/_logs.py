@@ -7,7 +7,7 @@ So fetching never waits for the device. The last ones are logged at the end of t
 Each logging step's values are logged at the step and epoch they were computed in (Lightning's
 logger step for them, see :meth:`TrainSteps.log_step`), however late they are fetched.
 coreshell's own figures (throughput here, compile and transfer statistics in
-:mod:`torchshell.module._logging`) are named under :data:`OWN` (``coreshell/``), so they
+:mod:`torchshell.module._logging`) are named under :data:`OWN` (``system/coreshell.``), so they
 never shadow a name the user logs.
 
 What is logged and under which names is the adapter's (``Adapter.logs``): :class:`TrainLogs`
@@ -29,7 +29,10 @@ import torch
 
 __all__ = ["OWN", "TrainLog", "TrainLogs", "find_lrs"]
 
-OWN = "coreshell/"  # the prefix of coreshell's own telemetry (throughput, compile, bridge)
+# the prefix of coreshell's own telemetry (throughput, compile, bridge): MLflow's UI puts
+# `system/` keys in the run page's System metrics tab, and a key with no further `/` in its
+# "System metrics" section, after the model's own (docs/tracking.md)
+OWN = "system/coreshell."
 
 
 def find_lrs(opt_state: optax.OptState) -> dict[str, jax.Array]:
@@ -104,10 +107,10 @@ class TrainLog:
             elapsed = now - self._last[0]
             rate = (step - self._last[1]) / elapsed
             perf = {
-                f"{OWN}perf/steps_per_s": rate,
-                f"{OWN}perf/samples_per_s": rate * rows,
-                f"{OWN}perf/data_wait_fraction": min(self.wait / elapsed, 1.0),
-                f"{OWN}perf/step_fraction": min(self.compute / elapsed, 1.0),
+                f"{OWN}perf.steps_per_s": rate,
+                f"{OWN}perf.samples_per_s": rate * rows,
+                f"{OWN}perf.data_wait_fraction": min(self.wait / elapsed, 1.0),
+                f"{OWN}perf.step_fraction": min(self.compute / elapsed, 1.0),
             }
         self._last, self.wait, self.compute = (now, step), 0.0, 0.0
         return perf

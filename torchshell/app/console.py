@@ -182,13 +182,13 @@ def end_summary(
     """The end of a run: where it is tracked, its metrics, the export and its parity.
 
     The metrics shown are the run's own (the model's, or the user's ``self.log`` names) and
-    the training loss; coreshell's telemetry (``coreshell/perf/*``, ``coreshell/bridge/*``,
-    ``coreshell/compile/*``) stays in MLflow.
+    the training loss; coreshell's telemetry (``system/coreshell.perf.*``,
+    ``.bridge.*``, ``.compile.*``) stays in MLflow.
     """
     shown = ", ".join(
         f"{k}={human(v)}"
         for k, v in sorted(metrics.items())
-        if not k.startswith(OWN) or k == f"{OWN}train/loss"
+        if not k.startswith(OWN) or k == f"{OWN}train.loss"
     )
     where = f"{cfg.tracking.uri} (experiment {cfg.tracking.experiment!r})"
     name = (

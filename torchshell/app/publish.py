@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchshell.adapters._logs import OWN
 from torchshell.app import quiet
 from torchshell.app.served import log_waveform_model
 from torchshell.data import stop_workers
@@ -125,13 +126,13 @@ def publish(
 ) -> dict[str, Any]:
     """Exports the trained weights to ``twin``, checks parity, and logs the deployable run.
 
-    Logged: ``export/model.safetensors``, ``export/parity_max_abs_diff`` (JAX vs torch on a
-    test batch), the model summary, the train step's HLO, a confusion matrix PNG (when the
-    batches have labels), a sample spectrogram (audio recipes), and the deployable model
-    with signature and input example (optionally registered): a recipe whose ``serving()``
-    module takes ``waveform`` and ``lengths`` is logged as a pyfunc over its pt2 program with
-    dynamic batch and time axes (:mod:`torchshell.app.served`), any other as an MLflow
-    PyTorch model.
+    Logged: ``export/model.safetensors``, ``system/coreshell.export.parity_max_abs_diff``
+    (JAX vs torch on a test batch), the model summary, the train step's HLO, a confusion
+    matrix PNG (when the batches have labels), a sample spectrogram (audio recipes), and the
+    deployable model with signature and input example (optionally registered): a recipe
+    whose ``serving()`` module takes ``waveform`` and ``lengths`` is logged as a pyfunc over
+    its pt2 program with dynamic batch and time axes (:mod:`torchshell.app.served`), any
+    other as an MLflow PyTorch model.
 
     A twin with no ``forward`` (a LightningModule that computes only in its steps) gets the
     export and the summary; predictions, parity and the served model are skipped, said once.
@@ -158,7 +159,7 @@ def publish(
     precision = "bf16" if getattr(module, "_compute_dtype", None) == "bfloat16" else "fp32"
     verdict = parity_verdict(logits[: len(torch_logits)], torch_logits.detach().numpy(), precision)
     parity = verdict["parity_max_abs_diff"]
-    logger.log_metrics({"export/parity_max_abs_diff": parity}, step=step)
+    logger.log_metrics({f"{OWN}export.parity_max_abs_diff": parity}, step=step)
     logger.log_artifact(export_path, "export")
     logger.log_text(module.summary + "\n", "model_summary.txt")
     if module.hlo_dump_dir is not None and Path(module.hlo_dump_dir).is_dir():

@@ -138,8 +138,8 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
         if run.cache is not None:
             logger.log_metrics(
                 {
-                    "coreshell/compile/cache_hits": run.cache.hits,
-                    "coreshell/compile/cache_misses": run.cache.misses,
+                    "system/coreshell.compile.cache_hits": run.cache.hits,
+                    "system/coreshell.compile.cache_misses": run.cache.misses,
                 },
                 step=trainer.global_step,
             )

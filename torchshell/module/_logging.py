@@ -63,9 +63,9 @@ def outputs(
 
 def log_to_loggers(module: JaxModule, metrics: dict[str, float]) -> None:
     """coreshell's own figures (compile statistics) to the loggers, named under
-    ``coreshell/``, at the step of the values they came with."""
+    ``system/coreshell.``, at the step of the values they came with."""
     if module._trainer is not None and module.loggers:
-        own = {k if k.startswith(OWN) else f"{OWN}{k}": v for k, v in metrics.items()}
+        own = {k if k.startswith(OWN) else OWN + k.replace("/", "."): v for k, v in metrics.items()}
         for logger in module.loggers:
             logger.log_metrics(own, step=module.adapter.steps.log_step(module))
         module.trainer.logged_metrics.update({k: torch.tensor(v) for k, v in own.items()})
@@ -96,12 +96,12 @@ def log_values(
     As Lightning's logger connector does for ``self.log``: each logger gets the row at
     ``step`` with the ``epoch`` it was computed in, ``trainer.logged_metrics`` and
     ``trainer.callback_metrics`` the values. coreshell's own figures are named under
-    ``coreshell/``; the progress bar shows the loss and samples/s without adding them to
+    ``system/coreshell.``; the progress bar shows the loss and samples/s without adding them to
     ``callback_metrics`` (where a ``ModelCheckpoint(monitor=...)`` would find them).
     """
-    logs |= {f"{OWN}bridge/{k}": v for k, v in module.transfer_stats.as_metrics().items()}
+    logs |= {f"{OWN}bridge.{k}": v for k, v in module.transfer_stats.as_metrics().items()}
     if module.compiled.train is not None:
-        logs[f"{OWN}compile/recompiles"] = float(module.compiled.recompiles())
+        logs[f"{OWN}compile.recompiles"] = float(module.compiled.recompiles())
     trainer = module.trainer
     if module._trainer is not None and module.loggers:
         row: dict[str, float] = logs if epoch is None else {**logs, "epoch": epoch}
@@ -122,7 +122,7 @@ def _progress(module: JaxModule, logs: dict[str, float]) -> None:
     which the bar reads); a name the user logs keeps its own value there."""
     bar = module.trainer.progress_bar_metrics
     own = module.adapter.logs
-    mine = {"loss": f"{own.own_train}loss", "samples/s": f"{OWN}perf/samples_per_s"}
+    mine = {"loss": f"{own.own_train}loss", "samples/s": f"{OWN}perf.samples_per_s"}
     for name, key in mine.items():
         if key in logs and name not in own.user_names(module):
             bar[name] = logs[key]

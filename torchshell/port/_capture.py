@@ -119,7 +119,7 @@ class LogCapture:
             "the loss (a scalar tensor, or a dict with 'loss') on every path. Fix: return the "
             "loss; to skip steps whose loss or gradients are not finite, pass "
             "nan_policy='skip' to JaxModule.from_lightning(...) (the update is not applied, "
-            "counted in coreshell/train/nonfinite_steps)."
+            "counted in system/coreshell.train.nonfinite_steps)."
         )
 
     @contextlib.contextmanager

@@ -328,7 +328,7 @@ class LightningPort(LogCapture):
                 warnings.warn(
                     f"{type(self.module).__name__}.{hook} reads batch scalars in Python "
                     f"(e.g. int(lengths.max())) that took {len(seen)} distinct values: each "
-                    "compiles the step again (coreshell/compile/recompiles). Fix: pad the "
+                    "compiles the step again (system/coreshell.compile.recompiles). Fix: pad the "
                     "batches to a few lengths in the collate (buckets), or keep those values "
                     "tensors.",
                     RuntimeWarning,

@@ -68,13 +68,13 @@ class LightningLogs(TrainLogs):
     """Training values under the user's names (see the module docstring).
 
     What coreshell adds (the returned loss, the learning rate, refused steps) is named under
-    ``coreshell/train/``: the user's module names its own values.
+    ``system/coreshell.train.``: the user's module names its own values.
 
     Args:
         port: the traced user module (its ``self.log`` names and options).
     """
 
-    own_train = f"{OWN}train/"
+    own_train = f"{OWN}train."
 
     def __init__(self, port: LightningPort) -> None:
         self.port = port
@@ -85,7 +85,7 @@ class LightningLogs(TrainLogs):
         return {**self.port.specs["training_step"], **self.port.specs[GRADS_HOOK]}
 
     def train_values(self, module: Any, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """The loss under ``coreshell/train/``, the user's on-step values under their names."""
+        """The loss under ``system/coreshell.train.``, the user's on-step values as named."""
         out = {f"{self.own_train}loss": metrics["loss"]}
         for name, spec in self._train_specs().items():
             if spec.on_step and spec.metric is None:  # (metric objects: Lightning logs them)

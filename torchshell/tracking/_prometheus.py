@@ -26,23 +26,23 @@ from torchshell.adapters._logs import OWN
 from torchshell.checkpoint import _files as files
 
 # gauge name -> (help text, the keys in trainer.callback_metrics it follows, first found wins:
-# the Flax/torch path's model loss is train/loss, the Lightning port's coreshell/train/loss)
+# the Flax/torch path's model loss is train/loss, the Lightning port's system/coreshell.train.loss)
 _FROM_LOGS = {
     "coreshell_train_loss": (
         "Training loss at the last logging step.",
-        ("train/loss", f"{OWN}train/loss"),
+        ("train/loss", f"{OWN}train.loss"),
     ),
     "coreshell_samples_per_second": (
         "Training samples per second.",
-        (f"{OWN}perf/samples_per_s",),
+        (f"{OWN}perf.samples_per_s",),
     ),
     "coreshell_data_wait_fraction": (
         "Fraction of wall time the loop waited for the DataLoader.",
-        (f"{OWN}perf/data_wait_fraction",),
+        (f"{OWN}perf.data_wait_fraction",),
     ),
     "coreshell_recompiles": (
         "Recompilations of the train step.",
-        (f"{OWN}compile/recompiles",),
+        (f"{OWN}compile.recompiles",),
     ),
 }
 
