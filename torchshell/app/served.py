@@ -163,12 +163,20 @@ def waveform_model_kwargs(
         num_classes = int(serving(waveform, lengths).shape[-1])
     work.mkdir(parents=True, exist_ok=True)
     spec = serving_spec(serving, num_classes)
+    schema = signature(num_classes)
     if core == "jax":
         from torchshell.app.served_core import write_jax_core
 
         artifacts, entries = write_jax_core(serving, work)
         requirements = entries.pop("requirements")
         spec.update(entries)
+        # MLflow's scoring server deep-copies a request's lists and converts them per the
+        # signature before `predict` (a third of a batch-64 request's time, as long as one of
+        # its two JSON parses); `predict` validates and converts every request itself
+        # (`validated`), so the model says so as a model typed by its hints does (the MLmodel
+        # field `is_signature_from_type_hint: true`): the request's lists come straight in.
+        # The signature stays the explicit tensors above.
+        schema._is_signature_from_type_hint = True
     else:
         program = export_program(serving, (waveform, lengths))
         torch.export.save(program, work / "program.pt2")
@@ -178,7 +186,7 @@ def waveform_model_kwargs(
     return {
         "python_model": str(CODE),
         "artifacts": {**artifacts, "serving": str(work / "serving.json")},
-        "signature": signature(num_classes),
+        "signature": schema,
         "input_example": {"waveform": waveform.numpy(), "lengths": lengths.numpy()},
         "pip_requirements": requirements,
     }

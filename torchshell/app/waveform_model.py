@@ -109,6 +109,8 @@ def validated(model_input: Any, spec: dict[str, Any]) -> tuple[np.ndarray, np.nd
             f"Expected waveform [B, N] and lengths [B] with B >= 1; got waveform "
             f"{list(waveform.shape)} and lengths {list(lengths.shape)}. Fix: {FORMAT}."
         )
+    if np.issubdtype(lengths.dtype, np.floating) and np.array_equal(lengths, np.round(lengths)):
+        lengths = lengths.astype(np.int64)  # 16000.0: a whole number of samples, from JSON
     if not np.issubdtype(lengths.dtype, np.integer):
         raise _refuse(f"lengths must be integers (samples); got {lengths.dtype}. Fix: {FORMAT}.")
     rate, low, high = spec["sample_rate"], spec["min_samples"], spec["max_samples"]
