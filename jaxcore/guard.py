@@ -7,10 +7,12 @@ not finite does not apply its update (params, optimizer and model state keep the
 - ``"none"``: no guard (a NaN propagates into the params).
 - ``"skip"``: refused steps are skipped; training goes on with the next batch.
 - ``"stop"``: after the first refused step every later update is refused too, so the state
-  stays the last good one until the shell looks (:func:`check_finite`) and stops. The step
-  also refuses a batch whose floating fields hold NaN/Inf, and
-  ``TrainState.nonfinite_input`` remembers which field and rows (:func:`input_where`): the
-  error then names the input, not the learning rate. No host pass over the batch.
+  stays the last good one until the shell looks (:func:`check_finite`) and stops. When the
+  refused step's batch held NaN/Inf in a floating field, ``TrainState.nonfinite_input``
+  remembers which field and rows (:func:`input_where`): the error then names the input, not
+  the learning rate. A batch with NaN that the model handles (missing values read through
+  ``torch.where``/``nan_to_num``) gives a finite loss and trains, as in torch. No host pass
+  over the batch.
 
 **Input checks** (:func:`input_check`): an op of the model (an embedding's index range)
 reports, while the step is traced, that its input is invalid; the step folds every report

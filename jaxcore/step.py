@@ -31,7 +31,7 @@ from jaxcore._inputs import input_where, window_input_where
 from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows
 from jaxcore.compile import Step, check_positive
 from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
-from jaxcore.guard import check_policy, checked, finite_ok, guarded
+from jaxcore.guard import CHECKED, check_policy, checked, finite_ok, guarded
 from jaxcore.losses import MICRO, TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.state import TrainState
@@ -107,7 +107,10 @@ def _guarded_update(
     :func:`jaxcore.guard.checked`), where its input held NaN/Inf or failed a check."""
     where = state.nonfinite_input
     if found is not None:
-        ok = ok & (found[0] == -1)
+        # a failed input check refuses the step (torch raises there); NaN/Inf in an input
+        # only names the cause of a step refused for its loss or gradients: a model that
+        # reads NaN as "missing" (torch.where, nan_to_num) trains as in torch
+        ok = ok & (found[0] != CHECKED)
         where = jnp.where((state.nonfinite_step < 0) & ~ok, found, where)
     params, opt_state, model_state = guarded(
         ok, update, (state.params, state.opt_state, state.model_state)
@@ -194,7 +197,7 @@ def train_step(
             found = input_where(input_rows(batch))
         if g.check is not None:  # an input check (embedding index range) failed: refused
             failed = checked(g.check)
-            found = failed if found is None else jnp.where(found[0] >= 0, found, failed)
+            found = failed if found is None else jnp.where(failed[0] == CHECKED, failed, found)
         new = _guarded_update(state, update, ok, found)
         refused = (new.nonfinite - state.nonfinite).astype(jnp.float32)
         return new, {**metrics, "nonfinite": refused}

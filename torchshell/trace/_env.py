@@ -37,6 +37,7 @@ from torchshell.trace._lowerings import (
     standard_gamma,
     window,
 )
+from torchshell.trace._module_hooks import backward_hooks_refused
 from torchshell.trace._no_grad import stopped_in_no_grad, user_no_grad_regions
 from torchshell.trace._norms import norm_lowerings
 from torchshell.trace._ops import install_ops
@@ -297,6 +298,7 @@ def tracing() -> Iterator[None]:
             hf_ctc_shape_static(),
             uncached(),
             host_random_refused(),  # np.random.beta in a step: one draw reused, refused
+            backward_hooks_refused(),  # module backward hooks: jax.grad never runs them
             user_no_grad_regions(),  # the user's torch.no_grad(): no gradient through it
             custom_backwards(),  # a user's torch.autograd.Function: its own backward
             traced_gradients(),  # torch.func.vjp/grad in a step (a gradient penalty)

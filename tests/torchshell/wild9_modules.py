@@ -1,0 +1,437 @@
+"""LightningModules, ``nn.Module``s and datasets written the way public projects write them
+(round 9): DeepSurv's Cox partial likelihood (``argsort`` + ``gather`` + ``logcumsumexp``), a
+VAE on ``torch.distributions`` (``Independent(Normal).rsample``, ``kl_divergence``, KL
+annealing by ``global_step``), normalization layers (``BatchNorm1d(momentum=None)``'s
+cumulative average, ``GroupNorm``, ``nn.RMSNorm``), a tabular regressor with missing values
+(NaN in the batch, ``isnan``/``torch.where``/``nan_to_num``/``masked_fill``), multi-task heads
+in an ``nn.ModuleDict`` picked by a string field of the batch, CLIP's learned
+``logit_scale``, a Conv1d audio classifier (reflect padding, ``interpolate(mode="linear")``,
+``ConvTranspose1d``, ``AdaptiveAvgPool1d``/``AdaptiveMaxPool1d`` on lengths they do not
+divide), a LLaMA-style block (``einsum`` attention, a ``triu`` mask from ``x.size(1)``,
+rotary embeddings, SwiGLU), module hooks (``register_forward_pre_hook``,
+``register_full_backward_hook``), Lightning's ``configure_gradient_clipping`` override and
+``on_train_batch_start`` returning -1, and a recommender on ``nn.Embedding(
+scale_grad_by_freq=True)``, for test_port_wild9.py. Nothing here knows about coreshell."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def survival(n: int, seed: int) -> TensorDataset:
+    """``(x[8], time > 0, event in {0., 1.})`` rows: hazard grows with ``x[:, 0]``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    time = torch.rand(n, generator=g) * torch.exp(-x[:, 0]) + 0.01
+    event = (torch.rand(n, generator=g) > 0.3).float()
+    return TensorDataset(x, time, event)
+
+
+def missing(n: int, seed: int) -> TensorDataset:
+    """``(x[6] with ~20% NaN, y with ~10% NaN)`` rows, as a CSV with gaps reads."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = x[:, 0] - 0.5 * x[:, 1]
+    x[torch.rand(n, 6, generator=g) < 0.2] = float("nan")
+    y[torch.rand(n, generator=g) < 0.1] = float("nan")
+    return TensorDataset(x, y)
+
+
+class TaskRows(Dataset):
+    """Rows ``{"x": [8], "y": int, "task": "sentiment" | "topic"}``; batches of 16 from
+    :func:`task_batches` hold one task each (a per-task batch sampler)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.task = ["sentiment" if (i // 16) % 2 == 0 else "topic" for i in range(n)]
+        self.y = [
+            int(self.x[i, 0] > 0) if t == "sentiment" else int(self.x[i, 1:3].sum().abs() * 2) % 4
+            for i, t in enumerate(self.task)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "task": self.task[i]}
+
+
+def pairs(n: int, seed: int) -> TensorDataset:
+    """CLIP's ``(image[12], text[6])`` pairs: the text a noisy projection of the image."""
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randn(n, 12, generator=g)
+    txt = img[:, :6] + 0.3 * img[:, 6:] + 0.1 * torch.randn(n, 6, generator=g)
+    return TensorDataset(img, txt)
+
+
+def clips(n: int, seed: int) -> TensorDataset:
+    """``(waveform[26], class in 0..2)``: a sine whose frequency is the class."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    t = torch.linspace(0, 1, 26)
+    x = torch.sin(2 * math.pi * (y[:, None] + 1) * t) + 0.2 * torch.randn(n, 26, generator=g)
+    return TensorDataset(x, y)
+
+
+def tokens(n: int, seed: int) -> TensorDataset:
+    """``[n, 9]`` token rows (ids 1..15; a padded tail of zeros on some rows)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 16, (n, 9), generator=g)
+    ids[torch.arange(n) % 3 == 0, 6:] = 0
+    return TensorDataset(ids)
+
+
+def ratings(n: int, seed: int) -> TensorDataset:
+    """``(user in 0..5, item in 0..7, rating)``: few users, so ids repeat in a batch."""
+    g = torch.Generator().manual_seed(seed)
+    user, item = torch.randint(0, 6, (n,), generator=g), torch.randint(0, 8, (n,), generator=g)
+    return TensorDataset(user, item, ((user % 3) - (item % 2)).float() + 0.1 * torch.randn(n))
+
+
+# -- modules --------------------------------------------------------------------------------
+
+
+class DeepSurv(L.LightningModule):
+    """pycox/DeepSurv: risk scores sorted by descending time, Cox's negative partial
+    log-likelihood through ``logcumsumexp`` over the risk set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.SELU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, time, event = batch
+        risk = self.net(x).squeeze(-1)
+        order = torch.argsort(time, descending=True)
+        risk, event = risk.gather(0, order), event[order]
+        log_risk_set = torch.logcumsumexp(risk, dim=0)
+        loss = -((risk - log_risk_set) * event).sum() / event.sum().clamp(min=1.0)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class DistributionsVAE(L.LightningModule):
+    """A VAE on ``torch.distributions``: ``Independent(Normal)`` posterior, ``rsample``,
+    ``kl_divergence`` to a standard normal prior, KL annealed by ``self.global_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 6))
+        self.dec = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 8))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        mu, log_std = self.enc(x).chunk(2, dim=-1)
+        q = torch.distributions.Independent(torch.distributions.Normal(mu, log_std.exp()), 1)
+        prior = torch.distributions.Independent(
+            torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu)), 1
+        )
+        z = q.rsample()
+        recon = F.mse_loss(self.dec(z), x)
+        kl = torch.distributions.kl_divergence(q, prior).mean()
+        beta = min(1.0, self.global_step / 4)
+        self.log_dict({"recon": recon, "kl": kl, "beta": beta, "z_mean": z.mean()})
+        return recon + beta * kl
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Norms(nn.Module):
+    """``BatchNorm1d(momentum=None)`` (running stats as a cumulative average over
+    ``num_batches_tracked``), ``GroupNorm``, ``nn.RMSNorm`` and a bias-free ``LayerNorm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=None)
+        self.gn = nn.GroupNorm(2, 8)
+        self.rms = nn.RMSNorm(8, eps=1e-6)
+        self.ln = nn.LayerNorm(8, bias=False)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.gn(self.bn(self.fc1(x))))
+        return self.out(self.ln(self.rms(h) + h))
+
+
+class LitNorms(L.LightningModule):
+    """:class:`Norms` in a LightningModule, logging a running statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Norms()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class MissingValues(L.LightningModule):
+    """Imputes NaN features with a learned value and a missing-indicator, and skips rows
+    whose target is NaN in a masked Smooth-L1 mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = nn.Parameter(torch.zeros(6))
+        self.net = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        gap = torch.isnan(x)
+        x = torch.where(gap, self.fill.expand_as(x), x)
+        pred = self.net(torch.cat([x, gap.float()], dim=-1)).squeeze(-1)
+        valid = ~torch.isnan(y)
+        err = F.smooth_l1_loss(pred, y.nan_to_num(0.0), reduction="none", beta=0.5)
+        loss = err.masked_fill(~valid, 0.0).sum() / valid.sum()
+        self.log_dict({"train_loss": loss, "gaps": gap.float().mean()})
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class TaskHeads(L.LightningModule):
+    """Multi-task heads in an ``nn.ModuleDict``, picked by the batch's ``task`` strings."""
+
+    def __init__(self, per_task_log: bool = True) -> None:
+        super().__init__()
+        self.per_task_log = per_task_log
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.heads = nn.ModuleDict({"sentiment": nn.Linear(16, 2), "topic": nn.Linear(16, 4)})
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        task = batch["task"][0]
+        loss = F.cross_entropy(self.heads[task](self.trunk(batch["x"])), batch["y"])
+        self.log("train_loss", loss)
+        if self.per_task_log:
+            self.log(f"{task}_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class CLIP(L.LightningModule):
+    """Two towers, normalized embeddings, a learned ``logit_scale`` (clamped at 100) and the
+    symmetric cross-entropy; AdamW without weight decay on the scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 8))
+        self.text = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        img, txt = batch
+        a = F.normalize(self.image(img), dim=-1)
+        b = F.normalize(self.text(txt), dim=-1)
+        logits = self.logit_scale.exp().clamp(max=100) * a @ b.t()
+        labels = torch.arange(len(img), device=self.device)
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+        self.log_dict({"train_loss": loss, "scale": self.logit_scale.exp()})
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        towers = [p for n, p in self.named_parameters() if n != "logit_scale"]
+        return torch.optim.AdamW(
+            [{"params": towers}, {"params": [self.logit_scale], "weight_decay": 0.0}],
+            lr=1e-2,
+            weight_decay=0.1,
+        )
+
+
+class AudioNet(nn.Module):
+    """Waveform classifier: reflect-padded Conv1d + GroupNorm, a linear downsample to 13
+    frames, ConvTranspose1d, adaptive pools to 5 and 3 (13 divides neither)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 5, padding=2, padding_mode="reflect")
+        self.norm = nn.GroupNorm(2, 4)
+        self.up = nn.ConvTranspose1d(4, 4, 4, stride=2, padding=1)
+        self.avg, self.max = nn.AdaptiveAvgPool1d(5), nn.AdaptiveMaxPool1d(3)
+        self.head = nn.Linear(4 * 8, 3)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.norm(self.conv(wave.unsqueeze(1))))
+        h = F.interpolate(h, size=13, mode="linear", align_corners=False)
+        h = F.relu(self.up(h))[..., :13]
+        return self.head(torch.cat([self.avg(h), self.max(h)], dim=-1).flatten(1))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm attention written with ``einsum`` (rotary positions, a causal ``triu``
+    mask built from ``x.size(1)``), then a SwiGLU MLP."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.w1, self.w3 = nn.Linear(dim, 32, bias=False), nn.Linear(dim, 32, bias=False)
+        self.w2 = nn.Linear(32, dim, bias=False)
+
+    @staticmethod
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        t, d = x.size(-2), x.size(-1)
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))
+        angles = torch.outer(torch.arange(t, device=x.device).float(), inv)
+        cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+        pairs = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+        return x * cos + pairs * sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        q, k = self.rotate(q.transpose(1, 2)), self.rotate(k.transpose(1, 2))
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.size(-1))
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        att = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        x = x + self.proj(torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLlama(L.LightningModule):
+    """Next-token prediction on padded rows (``ignore_index=0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 16, padding_idx=0)
+        self.block = LlamaBlock()
+        self.out = nn.Linear(16, 16, bias=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        logits = self.out(self.block(self.embed(ids[:, :-1])))
+        loss = F.cross_entropy(logits.reshape(-1, 16), ids[:, 1:].reshape(-1), ignore_index=0)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Hooked(L.LightningModule):
+    """Input standardisation in a forward pre-hook; the gradient into the trunk's last layer
+    halved by a full backward hook (``grad_input`` replaced)."""
+
+    def __init__(self, tensor_hook: bool = False) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+        self.trunk.register_forward_pre_hook(self.standardise)
+        if tensor_hook:  # coreshell's fix: the same halving as a hook on the input tensor
+            self.head.register_forward_pre_hook(self.halve_input)
+        else:
+            self.head.register_full_backward_hook(self.halve)
+
+    @staticmethod
+    def standardise(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        (x,) = args
+        return ((x - x.mean(0)) / (x.std(0) + 1e-5),)
+
+    @staticmethod
+    def halve(module: nn.Module, grad_input: Any, grad_output: Any) -> tuple[Any, ...]:
+        return tuple(None if g is None else 0.5 * g for g in grad_input)
+
+    @staticmethod
+    def halve_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0].view_as(args[0])
+        x.register_hook(lambda g: 0.5 * g)
+        return (x,)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.head(self.trunk(x)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ClipsAfterFirstEpoch(L.LightningModule):
+    """``configure_gradient_clipping`` overridden: no clipping in epoch 0, then norm 0.05
+    through ``self.clip_gradients``; ``on_train_batch_start`` returns -1 at batch 3 (the rest
+    of the epoch is skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 3 else None
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        if self.current_epoch > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class MatrixFactorization(nn.Module):
+    """Dot-product recommender; ``scale_grad_by_freq`` divides each row's gradient by how
+    often its id occurs in the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(6, 4, scale_grad_by_freq=True)
+        self.items = nn.Embedding(8, 4, scale_grad_by_freq=True)
+        self.bias = nn.Embedding(8, 1)
+
+    def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+        return (self.users(user) * self.items(item)).sum(-1) + self.bias(item).squeeze(-1)
+
+
+class TaskIdRows(TaskRows):
+    """:class:`TaskRows` with the task as an id (coreshell's fix: tensors in the batch)."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = super().__getitem__(i)
+        return {**row, "task": TASKS.index(row["task"])}
+
+
+TASKS = ("sentiment", "topic")
+
+
+class TaskIdHeads(TaskHeads):
+    """:class:`TaskHeads` reading the head's name from the batch's task id."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step({**batch, "task": [TASKS[int(batch["task"][0])]]}, batch_idx)
+
+
+class NoClipOverride(ClipsAfterFirstEpoch):
+    """coreshell's fix for the override: ``Trainer(gradient_clip_val=...)`` instead."""
+
+    configure_gradient_clipping = L.LightningModule.configure_gradient_clipping
