@@ -105,3 +105,45 @@ def test_launch_relays_each_rank_without_gloos_connected_notes(monkeypatch):
     out = io.StringIO()
     launch._pump(1, child, out, threading.Lock())
     assert out.getvalue().splitlines() == ["[rank 1] coreshell train: digits", f"[rank 1] {short}"]
+
+
+def test_lightnings_model_summary_gives_way_to_coreshells_table(capsys):
+    """The README's library example: Lightning's summary counted the torch parameters (a
+    table of 0 params above coreshell's); the module drops it for its run and prints its own."""
+    import jax
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelSummary
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import jaxcore
+    from jaxcore.models.digits import MLP
+    from torchshell import JaxModule
+
+    seen: list[str] = []
+
+    class Spy(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen.extend(type(c).__name__ for c in trainer.callbacks)
+
+    data = TensorDataset(torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    module = JaxModule(
+        MLP(features=(8,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        mesh=jaxcore.make_mesh({"data": 1, "model": 1}, jax.devices()[:1]),
+    )
+    trainer = L.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[Spy()],
+    )
+    assert any(isinstance(c, ModelSummary) for c in trainer.callbacks)  # Lightning's default
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    assert "Spy" in seen and not [n for n in seen if "ModelSummary" in n], seen
+    assert any(isinstance(c, ModelSummary) for c in trainer.callbacks)  # given back after
+    assert "JAX params on mesh {'data': 1, 'model': 1}:" in capsys.readouterr().out

@@ -150,10 +150,21 @@ def adopt_flags(trainer: Any) -> tuple[TrainerFlags, dict[str, Any]]:
     originals = {
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "gradient_clip_val": trainer.gradient_clip_val,
+        "callbacks": trainer.callbacks,
     }
     trainer.accumulate_grad_batches = 1
     trainer.gradient_clip_val = None
+    trainer.callbacks = _without_lightning_summary(trainer.callbacks)
     return flags, originals
+
+
+def _without_lightning_summary(callbacks: list[Any]) -> list[Any]:
+    """The callbacks less Lightning's model summary, which counts torch parameters: a
+    JaxModule's are in the JAX state, so it printed a table of 0 params; the module prints
+    its own (``print_summary``: counts, bytes and sharding of the JAX tree)."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    return [c for c in callbacks if not isinstance(c, ModelSummary)]
 
 
 def restore_flags(trainer: Any, originals: dict[str, Any]) -> None:
