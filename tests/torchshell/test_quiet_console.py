@@ -55,7 +55,7 @@ def test_periodic_async_checkpoints_and_a_first_run_keep_the_console_quiet(tmp_p
     out = quiet.stdout.replace("\r", "\n")
     lines = [line for line in (out + "\n" + quiet.stderr).splitlines() if line.strip()]
     assert [line for line in lines if NOISE.search(line)] == []
-    assert out.lstrip().startswith("coreshell train: digits (DigitsDataModule, MLP)")
+    assert out.lstrip().startswith("coreshell train: digits (DigitsDataModule, Flax MLP)")
     assert "MLflow run " in out and "parity max abs diff" in out
 
     loud = procs["verbose"].stdout + procs["verbose"].stderr
