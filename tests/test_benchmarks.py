@@ -95,8 +95,12 @@ def test_inference_rows(tiny: tuple[dict[str, Any], str]) -> None:
         assert len(one) == len(many) == 1, (path, sorted(cases))
         assert cases[one[0]]["metric"] == "ms" and cases[one[0]]["p99"] >= cases[one[0]]["median"]
         assert cases[many[0]]["median"] > 0 and "max |diff| vs JAX" in cases[many[0]]["note"]
-    served = cases["mlflow models serve (HTTP, pt2), 4 clients"]
-    assert served["metric"] == "requests/s" and served["median"] > 0
+    for batch in (1, 64):  # the served model before (pt2) and after #54, side by side
+        served = [c for c in cases if c.startswith(f"mlflow models serve, batch {batch}, ")]
+        assert len(served) == 6, sorted(cases)  # requests/s, p50, in process: before, after
+        rates = [cases[c] for c in served if cases[c]["metric"] == "requests/s"]
+        assert [r["ratio"] is None for r in rates] == [True, False]
+        assert all(r["median"] > 0 for r in rates)
 
 
 def test_other_benchmarks_rows(tiny: tuple[dict[str, Any], str]) -> None:

@@ -5,8 +5,9 @@
   torchaudio front-end (the same code as the exported model's) turns waveforms into
   features; the encoder runs in JAX. Inputs ``waveform`` FP32 ``[B, N]`` and ``lengths`` INT64
   ``[B, 1]``; outputs ``logits``, ``probabilities``, ``label``.
-- without it: the exported MLflow model (the pyfunc over the pt2 program) through
-  ``mlflow models serve --env-manager local``; the request format is in ``docs/serving.md``.
+- without it: the exported MLflow model (the pyfunc over the JAX core, ONNX Runtime for
+  small batches: :mod:`torchshell.app.served_core`) through ``mlflow models serve
+  --env-manager local``; the request format is in ``docs/serving.md``.
 
 Two things stop PyTriton 0.7.0's Python backend stub on this kind of machine, each handled
 in :func:`triton_environment`: the stub links ``libpython3.11.so`` dynamically and, without
