@@ -20,6 +20,7 @@ from torchshell.trace._autocast import user_autocast
 from torchshell.trace._autograd_fn import custom_backwards
 from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
+from torchshell.trace._cumulative_bn import cumulative_batch_norm
 from torchshell.trace._embedding_bag import embedding_bag_lowerings
 from torchshell.trace._fold import folded_when_concrete
 from torchshell.trace._func import traced_gradients
@@ -299,6 +300,7 @@ def tracing() -> Iterator[None]:
             uncached(),
             host_random_refused(),  # np.random.beta in a step: one draw reused, refused
             backward_hooks_refused(),  # module backward hooks: jax.grad never runs them
+            cumulative_batch_norm(),  # BatchNorm(momentum=None): 1/num_batches_tracked
             user_no_grad_regions(),  # the user's torch.no_grad(): no gradient through it
             custom_backwards(),  # a user's torch.autograd.Function: its own backward
             traced_gradients(),  # torch.func.vjp/grad in a step (a gradient penalty)
