@@ -150,27 +150,33 @@ def adopt_flags(trainer: Any) -> tuple[TrainerFlags, dict[str, Any]]:
     originals = {
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "gradient_clip_val": trainer.gradient_clip_val,
-        "callbacks": trainer.callbacks,
+        _SUMMARIES: _lightning_summaries(trainer),
     }
     trainer.accumulate_grad_batches = 1
     trainer.gradient_clip_val = None
-    trainer.callbacks = _without_lightning_summary(trainer.callbacks)
+    trainer.callbacks = [c for c in trainer.callbacks if c not in originals[_SUMMARIES]]
     return flags, originals
 
 
-def _without_lightning_summary(callbacks: list[Any]) -> list[Any]:
-    """The callbacks less Lightning's model summary, which counts torch parameters: a
-    JaxModule's are in the JAX state, so it printed a table of 0 params; the module prints
-    its own (``print_summary``: counts, bytes and sharding of the JAX tree)."""
+_SUMMARIES = "(Lightning's model summaries)"
+
+
+def _lightning_summaries(trainer: Any) -> list[Any]:
+    """Lightning's model summary callbacks: they count torch parameters, and a JaxModule's
+    are in the JAX state (a table of 0 params); the module prints its own (``print_summary``:
+    counts, bytes and sharding of the JAX tree). Left out for the run, given back after."""
     from lightning.pytorch.callbacks import ModelSummary
 
-    return [c for c in callbacks if not isinstance(c, ModelSummary)]
+    return [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
 
 
 def restore_flags(trainer: Any, originals: dict[str, Any]) -> None:
     """Puts back the Trainer attributes :func:`adopt_flags` changed."""
     for name, value in originals.items():
-        setattr(trainer, name, value)
+        if name == _SUMMARIES:  # (to the list as the run left it: it may have added some)
+            trainer.callbacks = [*trainer.callbacks, *value]
+        else:
+            setattr(trainer, name, value)
 
 
 def attached(module: Any, trainer: Any) -> None:
