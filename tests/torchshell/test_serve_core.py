@@ -132,3 +132,35 @@ def test_a_json_request_reaches_the_model_as_lists_and_is_validated_there(models
         invocations(json.dumps({"inputs": body}), "application/json", model, inputs)
     assert refused.value.get_http_status_code() == 400
     assert "must be arrays of numbers" in refused.value.message and "Fix:" in refused.value.message
+
+
+def test_a_waveform_padded_past_5_s_is_cropped_to_its_longest_clip(models):
+    """The exported programs take at most the longest clip's samples (bucketed): a request
+    padded wider than that is cropped to its longest clip first, with the same logits."""
+    batch = _batch([16_000, 8_000], seed=7)
+    wide = {**batch, "waveform": np.pad(batch["waveform"], ((0, 0), (0, 90_000)))}
+    fast = mlflow.pyfunc.load_model(str(models["jax"]))
+    got, want = fast.predict(wide)["logits"], fast.predict(batch)["logits"]
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_the_core_exports_on_a_tpu_backend_with_xla_attention(monkeypatch, tmp_path):
+    """On a TPU, attention picks the Pallas kernel from 640 frames: the exported sample axis
+    is bounded by the longest clip, so the choice (XLA) is decidable while exporting."""
+    import jax
+
+    import jaxcore.models.attention as attention
+    from torchshell.app.served_core import write_jax_core
+
+    class OnTpu:
+        def __getattr__(self, name: str):
+            return getattr(jax, name)
+
+        @staticmethod
+        def default_backend() -> str:
+            return "tpu"
+
+    monkeypatch.setattr(attention, "jax", OnTpu())
+    serving = SpokenDigitsEncoder(width=16, depth=1, heads=2, dropout=0.0).serving()
+    artifacts, spec = write_jax_core(serving, tmp_path)  # checked against torch inside
+    assert spec["core"] == "jax" and Path(artifacts["core"]).stat().st_size > 0

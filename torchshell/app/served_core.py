@@ -65,15 +65,21 @@ def flax_encoder(twin: torch.nn.Module) -> tuple[Any, Any]:
     return model, bridge.import_state_dict(twin.state_dict(), template)
 
 
-def _export(fn: Any, path: Path) -> None:
-    """``jax.export`` of ``fn(waveform[b, 320 k], lengths[b])`` for the CPU, written to path."""
+def _export(fn: Any, path: Path, max_samples: int) -> None:
+    """``jax.export`` of ``fn(waveform[b, 320 k], lengths[b])`` for the CPU, written to path.
+
+    ``k`` is bounded by the longest padded request (the model refuses longer clips): so the
+    frame count is known to be short, and attention takes XLA on any backend (on a TPU its
+    choice of the Pallas kernel from 640 frames would be undecidable for a free ``k``).
+    """
     import jax
     import jax.numpy as jnp
     from jax import export
 
-    from torchshell.app.waveform_model import SAMPLE_STEP
+    from torchshell.app.waveform_model import SAMPLE_STEP, bucket
 
-    b, k = export.symbolic_shape("b, k")
+    most = bucket(-(-max_samples // SAMPLE_STEP))
+    b, k = export.symbolic_shape("b, k", constraints=(f"k <= {most}",))
     args = (
         jax.ShapeDtypeStruct((b, SAMPLE_STEP * k), jnp.float32),
         jax.ShapeDtypeStruct((b,), jnp.int32),
@@ -94,6 +100,7 @@ def write_jax_core(serving: torch.nn.Module, work: Path) -> tuple[dict[str, str]
         bridge.ParityError: the core differs from the torch serving module on the example.
     """
     from jaxcore import features as fe
+    from torchshell.app.served import MAX_SECONDS
     from torchshell.data.spoken_digits import SAMPLE_RATE
 
     encoder: Any = getattr(serving, "encoder", None)
@@ -120,8 +127,9 @@ def write_jax_core(serving: torch.nn.Module, work: Path) -> tuple[dict[str, str]
 
     work.mkdir(parents=True, exist_ok=True)
     artifacts = {"core": str(work / "core.jax"), "front": str(work / "front.jax")}
-    _export(core, work / "core.jax")
-    _export(front, work / "front.jax")
+    most = round(MAX_SECONDS * rate)  # the longest clip the model takes
+    _export(core, work / "core.jax", most)
+    _export(front, work / "front.jax", most)
     spec: dict[str, Any] = {"core": "jax", "onnx_max_batch": 0}
     requirements = ["jax", "jaxlib", "numpy", "mlflow"]
     if write_encoder_onnx(encoder, work / "encoder.onnx"):

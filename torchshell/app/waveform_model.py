@@ -176,10 +176,10 @@ class JaxCore:
     def logits(self, waveform: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         import jax
 
-        b, n = waveform.shape
+        b, n = len(waveform), int(lengths.max())  # samples past every clip's end: dropped
         rows, width = bucket(b), bucket(-(-n // SAMPLE_STEP)) * SAMPLE_STEP
         wave = np.zeros((rows, width), np.float32)
-        wave[:b, :n] = waveform
+        wave[:b, :n] = waveform[:, :n]
         sizes = np.full(rows, n, np.int32)  # padded rows: silent clips, sliced off below
         sizes[:b] = lengths
         with jax.default_device(self.cpu):
