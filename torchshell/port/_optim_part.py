@@ -101,7 +101,10 @@ class LightningOptimizer(OptaxOptimizer):
         user, trainer = self.port.module, module._trainer
         if trainer is None:
             return user.configure_optimizers()
-        originals = module.run_scope.originals or {}
+        # the Trainer attributes the run set aside (not the model summaries it took out)
+        originals = {
+            k: v for k, v in (module.run_scope.originals or {}).items() if hasattr(trainer, k)
+        }
         neutral = {k: getattr(trainer, k) for k in originals}
         for k, v in originals.items():
             setattr(trainer, k, v)
