@@ -333,6 +333,11 @@ def _out(f: Callable[..., Any], *shape: int) -> Callable[..., torch.Tensor]:
         _out(lambda a, c, o: torch.exp(a, out=o), 0),  # out resized, as torch does
         _out(lambda a, c, o: torch.exp(a[:, :2], out=o[:, :2])),  # into a slice
         _out(lambda a, c, o: torch.sort(a, 1, out=(o, torch.zeros(2, 3, dtype=torch.long)))),
+        # torch functions whose decomposition wrote into a reshape of out (dropped, silently)
+        _out(lambda a, c, o: torch.kron(a, c, out=o), 4, 9),
+        _out(lambda a, c, o: torch.linalg.multi_dot([a, c.T, a], out=o)),
+        _out(lambda a, c, o: torch.linalg.matrix_power(a @ c.T, 3, out=o), 2, 2),
+        _out(lambda a, c, o: torch.unbind_copy(a, out=[o[0], o[1]])),  # (a list of outs)
     ],
 )
 def test_out_forms_write_the_result(op: Any) -> None:

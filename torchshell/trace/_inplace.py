@@ -83,21 +83,55 @@ def _written_out(
     """``op(..., out=t)``: the functional op, its result written into ``t`` (``copy_``, which
     writes through a view; a tensor of another shape takes the result's, as torch resizes
     ``out``). torchax passed ``out=`` to lowerings that take none: refused, op by op."""
-    from torchax.tensor import Tensor
-
     found = _functional(func)
     assert found is not None
     functional, names = found
     outs = [kwargs[n] for n in names]
     rest = {k: v for k, v in kwargs.items() if k not in names}
     values = dispatch(functional, types, args, rest)
-    values = values if isinstance(values, tuple | list) else (values,)
+    one = len(outs) == 1  # (one out: a tensor, or a list of them: unbind_copy)
+    _write(dispatch, types, outs, [values] if one else list(values))
+    return outs[0] if one else tuple(outs)
+
+
+def _write(dispatch: Callable[..., Any], types: Any, outs: list[Any], values: list[Any]) -> None:
+    """Each result into its ``out`` tensor (lists and tuples of them in turn)."""
+    from torchax.tensor import Tensor
+
     for out, value in zip(outs, values, strict=True):
-        if tuple(out.shape) != tuple(value.shape) and isinstance(out, Tensor):
+        if isinstance(out, list | tuple):
+            _write(dispatch, types, list(out), list(value))
+        elif tuple(out.shape) != tuple(value.shape) and isinstance(out, Tensor):
             out._elem = value._elem.astype(out._elem.dtype)
         else:
             dispatch(torch.ops.aten.copy_.default, types, (out, value), {})
-    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _takes(args: Any) -> bool:
+    """Whether a function's arguments hold a tensor (not a factory: ``torch.linspace``)."""
+    from torch.utils import _pytree as pytree
+
+    return any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args))
+
+
+def _function_out(
+    dispatch: Callable[..., Any], func: Any, types: Any, args: Any, kwargs: Any
+) -> Any:
+    """A torch function called with ``out=`` (``torch.kron(a, b, out=o)``,
+    ``torch.linalg.multi_dot(ts, out=o)``, ``torch.linspace(..., out=o)``): the function
+    without it, its result written into ``out``. torchax ran the function's decomposition,
+    which writes into a reshape of ``out`` (``_unsafe_view``: a copy in torchax), so ``out``
+    kept its old values, silently."""
+    from torchax.tensor import OperatorNotFound
+
+    out = kwargs["out"]
+    rest = {k: v for k, v in kwargs.items() if k != "out"}
+    try:
+        value = dispatch(func, types, args, rest)
+    except OperatorNotFound:  # (not lowered as a function: torch's own, as torchax runs it)
+        value = func(*args, **rest)
+    _write(dispatch, types, [out], [value])
+    return out
 
 
 def _broadcast_copy(dispatch: Callable[..., Any], types: Any, args: Any, kwargs: Any) -> Any:
@@ -155,6 +189,8 @@ def written_through_views(env: Any) -> Callable[..., Any]:
             return _broadcast_copy(dispatch, types, args, kwargs)
         if kwargs and _functional(func) is not None:
             return _written_out(dispatch, func, types, args, kwargs)
+        if kwargs and kwargs.get("out") is not None and _overload(func) is None and _takes(args):
+            return _function_out(dispatch, func, types, args, kwargs)
         if not (args and _mutates_self(func)):
             return dispatch(func, types, args, kwargs)
         # a 0-d tensor too: torch's decompositions of ``index_add_``/``index_copy_``/
