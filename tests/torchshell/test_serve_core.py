@@ -162,5 +162,5 @@ def test_the_core_exports_on_a_tpu_backend_with_xla_attention(monkeypatch, tmp_p
 
     monkeypatch.setattr(attention, "jax", OnTpu())
     serving = SpokenDigitsEncoder(width=16, depth=1, heads=2, dropout=0.0).serving()
-    artifacts, spec = write_jax_core(serving, tmp_path)  # checked against torch inside
+    artifacts, spec = write_jax_core(serving, tmp_path, 80_000)  # checked against torch
     assert spec["core"] == "jax" and Path(artifacts["core"]).stat().st_size > 0

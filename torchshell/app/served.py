@@ -167,7 +167,7 @@ def waveform_model_kwargs(
     if core == "jax":
         from torchshell.app.served_core import write_jax_core
 
-        artifacts, entries = write_jax_core(serving, work)
+        artifacts, entries = write_jax_core(serving, work, spec["max_samples"])
         requirements = entries.pop("requirements")
         spec.update(entries)
         # MLflow's scoring server deep-copies a request's lists and converts them per the

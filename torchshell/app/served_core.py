@@ -87,8 +87,13 @@ def _export(fn: Any, path: Path, max_samples: int) -> None:
     path.write_bytes(export.export(jax.jit(fn), platforms=("cpu",))(*args).serialize())
 
 
-def write_jax_core(serving: torch.nn.Module, work: Path) -> tuple[dict[str, str], dict[str, Any]]:
+def write_jax_core(
+    serving: torch.nn.Module, work: Path, max_samples: int
+) -> tuple[dict[str, str], dict[str, Any]]:
     """Writes the ``"jax"`` core of a ``SpokenDigitsServing`` module into ``work``, checked.
+
+    ``max_samples``: the longest clip the model takes (``serving.json``), which bounds the
+    exported programs' sample axis.
 
     Returns:
         ``(artifacts, spec)``: the pyfunc's artifact paths (``core``, ``front``, ``encoder``
@@ -100,7 +105,6 @@ def write_jax_core(serving: torch.nn.Module, work: Path) -> tuple[dict[str, str]
         bridge.ParityError: the core differs from the torch serving module on the example.
     """
     from jaxcore import features as fe
-    from torchshell.app.served import MAX_SECONDS
     from torchshell.data.spoken_digits import SAMPLE_RATE
 
     encoder: Any = getattr(serving, "encoder", None)
@@ -127,9 +131,8 @@ def write_jax_core(serving: torch.nn.Module, work: Path) -> tuple[dict[str, str]
 
     work.mkdir(parents=True, exist_ok=True)
     artifacts = {"core": str(work / "core.jax"), "front": str(work / "front.jax")}
-    most = round(MAX_SECONDS * rate)  # the longest clip the model takes
-    _export(core, work / "core.jax", most)
-    _export(front, work / "front.jax", most)
+    _export(core, work / "core.jax", max_samples)
+    _export(front, work / "front.jax", max_samples)
     spec: dict[str, Any] = {"core": "jax", "onnx_max_batch": 0}
     requirements = ["jax", "jaxlib", "numpy", "mlflow"]
     if write_encoder_onnx(encoder, work / "encoder.onnx"):
