@@ -93,21 +93,29 @@ def test_metrics_with_value_dependent_shapes_match_plain_lightning(tmp_path: Pat
 
 
 class BatchValueUsed(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, log: bool = False) -> None:
         super().__init__()
         self.net = nn.Linear(8, C)
         self.f1 = torchmetrics.F1Score(task="multiclass", num_classes=C, ignore_index=-100)
+        self.logs = log
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self.net(x)
-        return F.cross_entropy(logits, y, ignore_index=-100) * (1 - self.f1(logits, y))
+        loss = F.cross_entropy(logits, y, ignore_index=-100)
+        if self.logs:  # (a batch value that exists only after the step: log the object)
+            self.log("f1", self.f1(logits, y))
+            return loss
+        return loss * (1 - self.f1(logits, y))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_host_metric_batch_value_used_in_the_step_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("log", "what"), [(False, "computes with"), (True, "logs")])
+def test_a_host_metric_batch_value_used_in_the_step_is_refused(
+    tmp_path: Path, log: bool, what: str
+) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=1,
@@ -117,6 +125,6 @@ def test_a_host_metric_batch_value_used_in_the_step_is_refused(tmp_path: Path) -
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    module = JaxModule.from_lightning(BatchValueUsed(), print_summary=False)
-    with pytest.raises(ConfigError, match=r"computes with .* self\.f1, .*on the host.*Fix: log"):
+    module = JaxModule.from_lightning(BatchValueUsed(log), print_summary=False)
+    with pytest.raises(ConfigError, match=rf"{what} .* self\.f1, .*on the host.*Fix: log"):
         trainer.fit(module, _loader(16, 0))
