@@ -23,9 +23,9 @@ import bridge
 from torchshell._errors import ConfigError
 
 #: Batches of up to this many clips run the encoder in ONNX Runtime; larger ones the JAX
-#: program. Measured per request (front end included) on the recipe's encoder, 2-core x86
-#: CPU: ONNX Runtime (one thread) 0.94 ms against JAX 0.97 ms at batch 1 on a quiet machine
-#: and 2-3x faster at batches 1-4 under load; JAX ahead from batch 8 (docs/serving.md).
+#: program. Measured per request (front end included, 0.64 s and 1 s clips, 2-core x86 CPU at
+#: load 8-9, docs/serving.md): ONNX Runtime on one thread 0.94-0.95 ms against JAX 0.97-2.7
+#: at batch 1, 1.3-3.4 against 1.9-7.4 at 2-4; mixed at 8-16; JAX 1.8x ahead at 64.
 ONNX_MAX_BATCH = 4
 #: Largest difference to the torch serving module accepted when the core is written.
 ATOL = 1e-4
