@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from jaxcore._errors import BatchError
+from tests.torchshell import wild9_data as D
 from tests.torchshell import wild9_modules as W
 from tests.torchshell.port_helpers import agree
 from tests.torchshell.test_port_wild3 import _pair, _trainer
@@ -32,7 +33,7 @@ def _close(runs: dict[str, tuple[L.Trainer, L.LightningModule]], *args: Any, **k
 def test_deepsurv_cox_partial_likelihood(tmp_path: Path) -> None:
     # the partial likelihood does not change with a constant shift of every risk: the output
     # bias's gradient is float noise, which Adam scales to the learning rate
-    runs = _pair(W.DeepSurv, tmp_path, DataLoader(W.survival(64, 0), batch_size=16))
+    runs = _pair(W.DeepSurv, tmp_path, DataLoader(D.survival(64, 0), batch_size=16))
     _close(runs, skip=lambda name: 0 if name == "net.2.bias" else None)
 
 
@@ -79,19 +80,19 @@ def test_batchnorm_cumulative_average_groupnorm_rmsnorm(tmp_path: Path) -> None:
 
 
 def test_missing_values_nan_in_the_batch(tmp_path: Path) -> None:
-    _close(_pair(W.MissingValues, tmp_path, DataLoader(W.missing(64, 0), batch_size=16)))
+    _close(_pair(W.MissingValues, tmp_path, DataLoader(D.missing(64, 0), batch_size=16)))
 
 
-def _task_loader(rows: W.TaskRows) -> DataLoader:
+def _task_loader(rows: D.TaskRows) -> DataLoader:
     return DataLoader(rows, batch_sampler=BatchSampler(SequentialSampler(rows), 16, False))
 
 
 def test_module_dict_heads_picked_by_a_string_in_the_batch(tmp_path: Path) -> None:
     module = JaxModule.from_lightning(W.TaskHeads(), print_summary=False)
     with pytest.raises(BatchError, match=r"\['task'\] holds a list.*Fix: turn it into a tensor"):
-        _trainer(tmp_path / "refused").fit(module, _task_loader(W.TaskRows(64, 0)))
+        _trainer(tmp_path / "refused").fit(module, _task_loader(D.TaskRows(64, 0)))
     # the fix followed: the task as an id, the head's name looked up from it
-    runs = _pair(lambda: W.TaskIdHeads(False), tmp_path, _task_loader(W.TaskIdRows(64, 0)))
+    runs = _pair(lambda: W.TaskIdHeads(False), tmp_path, _task_loader(D.TaskIdRows(64, 0)))
     _close(runs)
 
 
@@ -102,20 +103,20 @@ def test_module_dict_heads_picked_by_a_string_in_the_batch(tmp_path: Path) -> No
     "(f'{task}_loss'): port/_user.py train_values expects every traced variant's names",
 )
 def test_a_log_name_per_task_read_from_the_batch(tmp_path: Path) -> None:
-    runs = _pair(W.TaskIdHeads, tmp_path, _task_loader(W.TaskIdRows(64, 0)))
+    runs = _pair(W.TaskIdHeads, tmp_path, _task_loader(D.TaskIdRows(64, 0)))
     _close(runs, ("sentiment_loss", "topic_loss"))
 
 
 def test_clip_learned_logit_scale(tmp_path: Path) -> None:
-    _close(_pair(W.CLIP, tmp_path, DataLoader(W.pairs(64, 0), batch_size=16)), ("scale",))
+    _close(_pair(W.CLIP, tmp_path, DataLoader(D.pairs(64, 0), batch_size=16)), ("scale",))
 
 
 def test_audio_conv1d_interpolate_adaptive_pools(tmp_path: Path) -> None:
-    _torch_parity(W.AudioNet, nn.CrossEntropyLoss(), DataLoader(W.clips(48, 0), 16), tmp_path)
+    _torch_parity(W.AudioNet, nn.CrossEntropyLoss(), DataLoader(D.clips(48, 0), 16), tmp_path)
 
 
 def test_llama_block_einsum_triu_rotary_swiglu(tmp_path: Path) -> None:
-    _close(_pair(W.TinyLlama, tmp_path, DataLoader(W.tokens(64, 0), batch_size=16)))
+    _close(_pair(W.TinyLlama, tmp_path, DataLoader(D.tokens(64, 0), batch_size=16)))
 
 
 def test_a_full_backward_hook_is_refused_and_a_tensor_hook_does_the_same(tmp_path: Path) -> None:
@@ -156,4 +157,15 @@ def test_embedding_scale_grad_by_freq_is_refused_naming_the_fix(tmp_path: Path) 
         print_summary=False,
     )
     with pytest.raises(TorchModelError, match=r"scale_grad_by_freq=True.*Fix: set it to False"):
-        _trainer(tmp_path, max_epochs=1).fit(module, DataLoader(W.ratings(32, 0), batch_size=16))
+        _trainer(tmp_path, max_epochs=1).fit(module, DataLoader(D.ratings(32, 0), batch_size=16))
+
+
+def test_adaptive_log_softmax_with_loss(tmp_path: Path) -> None:
+    # was: refused, "the op `aten::nonzero` ... reads the value of one of its arguments", a
+    # fix in torch's adaptive.py
+    _close(_pair(W.AdaptiveSoftmaxLM, tmp_path, DataLoader(D.tokens(64, 0), batch_size=16)))
+
+
+def test_sparse_embedding_tables_under_sgd(tmp_path: Path) -> None:
+    loader = DataLoader(D.ratings(48, 0), batch_size=16)
+    _torch_then_ported(W.SparseFactorization, nn.MSELoss(), loader, tmp_path, inputs=(0, 1))

@@ -1,4 +1,4 @@
-"""LightningModules, ``nn.Module``s and datasets written the way public projects write them
+"""LightningModules and ``nn.Module``s written the way public projects write them
 (round 9): DeepSurv's Cox partial likelihood (``argsort`` + ``gather`` + ``logcumsumexp``), a
 VAE on ``torch.distributions`` (``Independent(Normal).rsample``, ``kl_divergence``, KL
 annealing by ``global_step``), normalization layers (``BatchNorm1d(momentum=None)``'s
@@ -11,7 +11,7 @@ divide), a LLaMA-style block (``einsum`` attention, a ``triu`` mask from ``x.siz
 rotary embeddings, SwiGLU), module hooks (``register_forward_pre_hook``,
 ``register_full_backward_hook``), Lightning's ``configure_gradient_clipping`` override and
 ``on_train_batch_start`` returning -1, and a recommender on ``nn.Embedding(
-scale_grad_by_freq=True)``, for test_port_wild9.py. Nothing here knows about coreshell."""
+scale_grad_by_freq=True)``; their data in wild9_data.py. Nothing here knows about coreshell."""
 
 from __future__ import annotations
 
@@ -22,81 +22,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
 
-# -- data -----------------------------------------------------------------------------------
-
-
-def survival(n: int, seed: int) -> TensorDataset:
-    """``(x[8], time > 0, event in {0., 1.})`` rows: hazard grows with ``x[:, 0]``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    time = torch.rand(n, generator=g) * torch.exp(-x[:, 0]) + 0.01
-    event = (torch.rand(n, generator=g) > 0.3).float()
-    return TensorDataset(x, time, event)
-
-
-def missing(n: int, seed: int) -> TensorDataset:
-    """``(x[6] with ~20% NaN, y with ~10% NaN)`` rows, as a CSV with gaps reads."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    y = x[:, 0] - 0.5 * x[:, 1]
-    x[torch.rand(n, 6, generator=g) < 0.2] = float("nan")
-    y[torch.rand(n, generator=g) < 0.1] = float("nan")
-    return TensorDataset(x, y)
-
-
-class TaskRows(Dataset):
-    """Rows ``{"x": [8], "y": int, "task": "sentiment" | "topic"}``; batches of 16 from
-    :func:`task_batches` hold one task each (a per-task batch sampler)."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 8, generator=g)
-        self.task = ["sentiment" if (i // 16) % 2 == 0 else "topic" for i in range(n)]
-        self.y = [
-            int(self.x[i, 0] > 0) if t == "sentiment" else int(self.x[i, 1:3].sum().abs() * 2) % 4
-            for i, t in enumerate(self.task)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"x": self.x[i], "y": self.y[i], "task": self.task[i]}
-
-
-def pairs(n: int, seed: int) -> TensorDataset:
-    """CLIP's ``(image[12], text[6])`` pairs: the text a noisy projection of the image."""
-    g = torch.Generator().manual_seed(seed)
-    img = torch.randn(n, 12, generator=g)
-    txt = img[:, :6] + 0.3 * img[:, 6:] + 0.1 * torch.randn(n, 6, generator=g)
-    return TensorDataset(img, txt)
-
-
-def clips(n: int, seed: int) -> TensorDataset:
-    """``(waveform[26], class in 0..2)``: a sine whose frequency is the class."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 3, (n,), generator=g)
-    t = torch.linspace(0, 1, 26)
-    x = torch.sin(2 * math.pi * (y[:, None] + 1) * t) + 0.2 * torch.randn(n, 26, generator=g)
-    return TensorDataset(x, y)
-
-
-def tokens(n: int, seed: int) -> TensorDataset:
-    """``[n, 9]`` token rows (ids 1..15; a padded tail of zeros on some rows)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 16, (n, 9), generator=g)
-    ids[torch.arange(n) % 3 == 0, 6:] = 0
-    return TensorDataset(ids)
-
-
-def ratings(n: int, seed: int) -> TensorDataset:
-    """``(user in 0..5, item in 0..7, rating)``: few users, so ids repeat in a batch."""
-    g = torch.Generator().manual_seed(seed)
-    user, item = torch.randint(0, 6, (n,), generator=g), torch.randint(0, 8, (n,), generator=g)
-    return TensorDataset(user, item, ((user % 3) - (item % 2)).float() + 0.1 * torch.randn(n))
-
+from tests.torchshell.wild9_data import TASKS
 
 # -- modules --------------------------------------------------------------------------------
 
@@ -413,17 +340,6 @@ class MatrixFactorization(nn.Module):
         return (self.users(user) * self.items(item)).sum(-1) + self.bias(item).squeeze(-1)
 
 
-class TaskIdRows(TaskRows):
-    """:class:`TaskRows` with the task as an id (coreshell's fix: tensors in the batch)."""
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        row = super().__getitem__(i)
-        return {**row, "task": TASKS.index(row["task"])}
-
-
-TASKS = ("sentiment", "topic")
-
-
 class TaskIdHeads(TaskHeads):
     """:class:`TaskHeads` reading the head's name from the batch's task id."""
 
@@ -435,3 +351,35 @@ class NoClipOverride(ClipsAfterFirstEpoch):
     """coreshell's fix for the override: ``Trainer(gradient_clip_val=...)`` instead."""
 
     configure_gradient_clipping = L.LightningModule.configure_gradient_clipping
+
+
+class AdaptiveSoftmaxLM(L.LightningModule):
+    """A GRU language model on ``nn.AdaptiveLogSoftmaxWithLoss`` (frequent ids in the head,
+    rare ones in tail clusters), as fairseq-era word models train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.rnn = nn.GRU(8, 16, batch_first=True)
+        self.softmax = nn.AdaptiveLogSoftmaxWithLoss(16, 16, cutoffs=[4, 10], div_value=2.0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        h, _ = self.rnn(self.embed(ids[:, :-1]))
+        loss = self.softmax(h.reshape(-1, 16), ids[:, 1:].reshape(-1)).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class SparseFactorization(nn.Module):
+    """The recommender with ``nn.Embedding(sparse=True)`` tables (SGD takes sparse grads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users, self.items = nn.Embedding(6, 4, sparse=True), nn.Embedding(8, 4, sparse=True)
+
+    def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+        return (self.users(user) * self.items(item)).sum(-1)

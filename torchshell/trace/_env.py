@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
+from torchshell.trace._adaptive_softmax import adaptive_softmax_fixed_shape
 from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._autocast import user_autocast
 from torchshell.trace._autograd_fn import custom_backwards
@@ -301,6 +302,7 @@ def tracing() -> Iterator[None]:
             host_random_refused(),  # np.random.beta in a step: one draw reused, refused
             backward_hooks_refused(),  # module backward hooks: jax.grad never runs them
             cumulative_batch_norm(),  # BatchNorm(momentum=None): 1/num_batches_tracked
+            adaptive_softmax_fixed_shape(),  # AdaptiveLogSoftmaxWithLoss: no nonzero()
             user_no_grad_regions(),  # the user's torch.no_grad(): no gradient through it
             custom_backwards(),  # a user's torch.autograd.Function: its own backward
             traced_gradients(),  # torch.func.vjp/grad in a step (a gradient penalty)
