@@ -169,3 +169,17 @@ def test_adaptive_log_softmax_with_loss(tmp_path: Path) -> None:
 def test_sparse_embedding_tables_under_sgd(tmp_path: Path) -> None:
     loader = DataLoader(D.ratings(48, 0), batch_size=16)
     _torch_then_ported(W.SparseFactorization, nn.MSELoss(), loader, tmp_path, inputs=(0, 1))
+
+
+def test_adaptive_log_softmax_target_past_n_classes_refused_as_torch_refuses(
+    tmp_path: Path,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 16, (32,), generator=g)
+    y[5] = 17
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    with pytest.raises(RuntimeError, match=r"Target values should be in \[0, 15\]"):
+        _trainer(tmp_path / "plain").fit(W.AdaptiveHead(), loader)
+    module = JaxModule.from_lightning(W.AdaptiveHead(), print_summary=False)
+    with pytest.raises(BatchError, match=r"target 17 .*\[0, 15\]. Fix: map the targets"):
+        _trainer(tmp_path / "jax").fit(module, loader)

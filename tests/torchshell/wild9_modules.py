@@ -383,3 +383,21 @@ class SparseFactorization(nn.Module):
 
     def forward(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
         return (self.users(user) * self.items(item)).sum(-1)
+
+
+class AdaptiveHead(L.LightningModule):
+    """Features to 16 classes through ``AdaptiveLogSoftmaxWithLoss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.softmax = nn.AdaptiveLogSoftmaxWithLoss(16, 16, cutoffs=[4, 10], div_value=2.0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.softmax(torch.tanh(self.proj(x)), y).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
