@@ -116,7 +116,7 @@ def test_audio_conv1d_interpolate_adaptive_pools(tmp_path: Path) -> None:
 
 
 def test_llama_block_einsum_triu_rotary_swiglu(tmp_path: Path) -> None:
-    _close(_pair(W.TinyLlama, tmp_path, DataLoader(D.tokens(64, 0), batch_size=16)))
+    _close(_pair(W.TinyLlama, tmp_path, DataLoader(D.tokens(64, 0), batch_size=16), max_epochs=1))
 
 
 def test_a_full_backward_hook_is_refused_and_a_tensor_hook_does_the_same(tmp_path: Path) -> None:
@@ -163,7 +163,11 @@ def test_embedding_scale_grad_by_freq_is_refused_naming_the_fix(tmp_path: Path) 
 def test_adaptive_log_softmax_with_loss(tmp_path: Path) -> None:
     # was: refused, "the op `aten::nonzero` ... reads the value of one of its arguments", a
     # fix in torch's adaptive.py
-    _close(_pair(W.AdaptiveSoftmaxLM, tmp_path, DataLoader(D.tokens(64, 0), batch_size=16)))
+    _close(
+        _pair(
+            W.AdaptiveSoftmaxLM, tmp_path, DataLoader(D.tokens(64, 0), batch_size=16), max_epochs=1
+        )
+    )
 
 
 def test_sparse_embedding_tables_under_sgd(tmp_path: Path) -> None:
