@@ -1,17 +1,8 @@
-"""LightningModules and ``nn.Module``s written the way public projects write them
-(round 9): DeepSurv's Cox partial likelihood (``argsort`` + ``gather`` + ``logcumsumexp``), a
-VAE on ``torch.distributions`` (``Independent(Normal).rsample``, ``kl_divergence``, KL
-annealing by ``global_step``), normalization layers (``BatchNorm1d(momentum=None)``'s
-cumulative average, ``GroupNorm``, ``nn.RMSNorm``), a tabular regressor with missing values
-(NaN in the batch, ``isnan``/``torch.where``/``nan_to_num``/``masked_fill``), multi-task heads
-in an ``nn.ModuleDict`` picked by a string field of the batch, CLIP's learned
-``logit_scale``, a Conv1d audio classifier (reflect padding, ``interpolate(mode="linear")``,
-``ConvTranspose1d``, ``AdaptiveAvgPool1d``/``AdaptiveMaxPool1d`` on lengths they do not
-divide), a LLaMA-style block (``einsum`` attention, a ``triu`` mask from ``x.size(1)``,
-rotary embeddings, SwiGLU), module hooks (``register_forward_pre_hook``,
-``register_full_backward_hook``), Lightning's ``configure_gradient_clipping`` override and
-``on_train_batch_start`` returning -1, and a recommender on ``nn.Embedding(
-scale_grad_by_freq=True)``; their data in wild9_data.py. Nothing here knows about coreshell."""
+"""Modules written as public projects write them (round 9; data in wild9_data.py): DeepSurv
+(``logcumsumexp``), a ``torch.distributions`` VAE, ``BatchNorm1d(momentum=None)``/GroupNorm/
+RMSNorm, NaN-as-missing features, ModuleDict heads by a task string, CLIP's ``logit_scale``,
+a Conv1d audio net, a LLaMA-style block, module hooks, ``configure_gradient_clipping``,
+``AdaptiveLogSoftmaxWithLoss``, ``nn.Embedding(scale_grad_by_freq=True | sparse=True)``."""
 
 from __future__ import annotations
 
