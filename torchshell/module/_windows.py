@@ -12,9 +12,10 @@ runs K optimizer steps in one jitted call (``lax.scan``). The semantics:
   dominates; XLA CPU also runs a scanned body slower than a single step); otherwise K is the
   largest divisor of ``log_every_n_steps`` at most ``ceil(4 ms / step)`` (at most 16), so
   that logging steps close windows (on an accelerator, K=1 unless the host's time between
-  steps nearly matches the step: :func:`choose_k`). K=1 under ``accumulate_grad_batches``/``accum_steps``,
-  for :meth:`JaxModule.from_lightning` (its ``self.log`` runs per step), with several
-  processes (K must agree) and for a traced torch forward that reads batch values in Python.
+  steps nearly matches the step: :func:`choose_k`). K=1 under
+  ``accumulate_grad_batches``/``accum_steps``, for :meth:`JaxModule.from_lightning` (its
+  ``self.log`` runs per step), with several processes (K must agree) and for a traced torch
+  forward that reads batch values in Python.
 - **global_step** counts the batches taken, as with K=1: ``max_steps``, ``log_every_n_steps``,
   ``every_n_train_steps`` checkpoints and ``val_check_interval`` mean what they mean in
   Lightning. Windows close when ``global_step`` is a multiple of K.
