@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bridge import TransferError
 from tests.torchshell import wild5_modules as W
 from tests.torchshell.port_helpers import agree as _same
 from tests.torchshell.test_port_wild3 import _pair, _trainer
@@ -235,20 +234,32 @@ def test_from_torch_models_match_a_plain_torch_loop(tmp_path: Path, kind: str) -
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_from_torch_on_the_tutorials_flat_text_names_the_padded_form(tmp_path: Path) -> None:
-    # from_torch pads a ragged batch by rows: the concatenated text has none
+def test_from_torch_on_the_tutorials_flat_text_trains_as_a_plain_torch_loop(
+    tmp_path: Path,
+) -> None:
+    # the tutorial's own batch: concatenated text [N], offsets [B], labels [B]: fields of
+    # different rows go whole to the step, each batch weighing one, as in torch (was refused
+    # with a TransferError naming the padded form, before from_torch took such batches)
     def text_first(rows: list[Any]) -> tuple[Any, ...]:
         labels, text, offsets = W.collate_batch(rows)
         return text, offsets, labels
 
-    torch.manual_seed(0)
-    net = W.TextClassificationModel()
-    opt = torch.optim.SGD(net.parameters(), lr=2.0)
+    def build() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        net = W.TextClassificationModel()
+        return net, torch.optim.SGD(net.parameters(), lr=2.0)
+
+    net, opt = build()
+    _torch_loop(net, nn.CrossEntropyLoss(), opt, _news(32, 0, text_first))
+    want = net.state_dict()
+    net, opt = build()
     module = JaxModule.from_torch(
         net, nn.CrossEntropyLoss(), opt, inputs=(0, 1), print_summary=False
     )
-    with pytest.raises(TransferError, match=r"same leading.*EmbeddingBag\(\.\.\., padding_idx=0\)"):
-        _trainer(tmp_path).fit(module, _news(32, 0, text_first))
+    _trainer(tmp_path).fit(module, _news(32, 0, text_first))
+    got = module.torch_state_dict()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # -- the op-level fixes behind the runs above, value and gradient against torch ------------
@@ -300,7 +311,8 @@ def test_embedding_bag_matches_torch_value_and_grad(
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
     want = net(*batch.values())
     want.backward()
-    np.testing.assert_allclose(float(value), want.item(), rtol=1e-5)
+    # (float32: the last place differs with XLA's CPU backend unoptimised, as the suite runs)
+    np.testing.assert_allclose(float(value), want.item(), rtol=3e-5)
     np.testing.assert_allclose(
         np.asarray(grads["bag.weight"]), net.bag.weight.grad.numpy(), rtol=1e-5, atol=1e-6
     )

@@ -224,9 +224,10 @@ class Adapter:
             return named
         named = arrays_as_tensors(name_batch(batch, self.batch_keys))  # numpy, lists of numbers
         others = {k: v for k, v in named.items() if k != "mask"} if "mask" in named else named
-        # a graph: rows neither padded nor weighed (a row mask of the wrong length in an
-        # otherwise aligned batch is a mistake: check_batch names it)
-        if self.form is None and not aligned(others):
+        # from_torch, a graph: rows neither padded nor weighed (a row mask of the wrong length
+        # in an otherwise aligned batch is a mistake: check_batch names it; a Flax model's
+        # batch keeps its rows, split over the data axis)
+        if self.form is None and self.torch_module is not None and not aligned(others):
             refuse_row_mask(named)
             self.unaligned, self.weigh_rows, self.supports_windows = True, False, False
         check_batch(self, named)  # negative lengths, misfit masks: refused like torch
