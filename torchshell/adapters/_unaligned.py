@@ -1,6 +1,7 @@
 """Batches whose fields have different numbers of rows: a graph batch (node features
 ``[N, F]``, an edge list ``[2, E]`` or ``[E, 2]``, a node-to-graph vector ``[N]``, graph
-labels ``[G]``), an edge list, a ragged side input.
+labels ``[G]``), an edge list, a ragged side input, under ``JaxModule.from_torch`` (a Flax
+module's batch keeps its rows, split over the data axis; a field without them is named).
 
 Such a batch has no rows to pad or to weigh: it goes to the step as it came (whole on every
 device, no ``mask``), and the step weighs each batch as one (``weigh_rows=False``), as plain
