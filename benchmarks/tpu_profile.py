@@ -32,15 +32,56 @@ from benchmarks import gpu_encoder as ge  # noqa: E402
 from benchmarks import tpu_models as tm  # noqa: E402
 
 
-def run(way: str, dry: bool, batch: int | None) -> None:
-    """Runs ``way`` for a few steps (its compile included: the summary counts program runs)."""
+class _Window:
+    """A Lightning callback tracing batches ``[first, first + n)`` (JAX's profiler)."""
+
+    def __init__(self, trace_dir: Path, sync: Any, first: int = 4, n: int = 3) -> None:
+        import lightning as L
+
+        class Callback(L.Callback):
+            def on_train_batch_start(cb, trainer: Any, module: Any, batch: Any, i: int) -> None:
+                if trainer.global_step == first:
+                    sync()
+                    jax.profiler.start_trace(str(trace_dir))
+
+            def on_train_batch_end(cb, trainer: Any, *args: Any) -> None:
+                if trainer.global_step == first + n:
+                    sync()
+                    jax.profiler.stop_trace()
+
+        self.callback = Callback()
+        self.steps = first + n
+
+
+def _fit(module: Any, loader: Any, trace_dir: Path) -> None:
+    import lightning as L
+
+    window = _Window(trace_dir, lambda: jax.block_until_ready(module.state))
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=window.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[window.callback],
+    ).fit(module, loader)
+
+
+def run(way: str, dry: bool, batch: int | None, trace_dir: Path) -> None:
+    """Runs ``way`` past its compile, then traces 3 steady steps into ``trace_dir``."""
     model, _, kind = way.partition("-")
     if model == "encoder":
         size = ge.TINY if dry else ge.FULL
         b = batch or (2 if dry else 16)
         if kind == "r":
             fn, _ = ge.reference_path(size, b)
-            fn(4)
+            fn(1)
+            with jax.profiler.trace(str(trace_dir)):
+                fn(1)  # (2 steps before its clock, then 1)
             return
         import jaxcore
         from torchshell import JaxModule
@@ -54,19 +95,32 @@ def run(way: str, dry: bool, batch: int | None) -> None:
         else:
             flax = ge.FlaxEncoder(size["d"], size["layers"], size["heads"], size["mlp"])
             module = JaxModule(flax, loss, tx, print_summary=False)
-        ge.shell_path(module, ge._loader(size, b))(4)
+        _fit(module, ge._loader(size, b), trace_dir)
         return
     size = tm.gm.SIZES[model]["tiny" if dry else "full"]
     b = batch or (2 if dry else tm.BATCH[model])
     if kind == "f":
         adamw = tm.ft.adamw_of(tm.gm.make_module(model, size).configure_optimizers())
-        tm.run_twin(model, size, b, (1, 2, 1), adamw)
-    else:
-        tm.run_way("jax", model, size, b, (1, 2, 1))
+        staged = tm._stage(model, size, b)
+        twin = tm.ft.build(model, size, adamw, tm.gm.CLASSES.get(model))
+        state = jax.jit(twin.init)(jax.random.key(0), staged[0][0])
+        step = jax.jit(twin.step, donate_argnums=0)
+        for i in range(3):
+            state, _ = step(state, staged[i % len(staged)])
+        jax.block_until_ready(state)
+        with jax.profiler.trace(str(trace_dir)):
+            for i in range(3):
+                state, _ = step(state, staged[i % len(staged)])
+            jax.block_until_ready(state)
+        return
+    from torchshell import JaxModule
+
+    module = JaxModule.from_lightning(tm.gm.make_module(model, size), print_summary=False)
+    _fit(module, tm.gm.make_loader(model, size, b, 8), trace_dir)
 
 
 def summary(trace_dir: Path, top: int) -> str:
-    """The busiest program's ops per run, heaviest first, from the profiler's trace."""
+    """The busiest program's device time per run: by op category and by source line."""
     (path,) = sorted(trace_dir.rglob("*.trace.json.gz"))[-1:]
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -77,42 +131,45 @@ def summary(trace_dir: Path, top: int) -> str:
             procs[e["pid"]] = e["args"]["name"]
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             names[(e["pid"], e["tid"])] = e["args"]["name"]
-    device = [p for p, n in procs.items() if "/device:" in n and "CPU" not in n]
-    lines = []
-    modules: collections.Counter[str] = collections.Counter()
-    module_us: collections.Counter[str] = collections.Counter()
-    ops: dict[str, list[Any]] = {}
+    device = {p for p, n in procs.items() if "/device:" in n and "CPU" not in n}
+    if not device:
+        return "no accelerator lanes in the trace (CPU): nothing to summarise"
+    lane = {"XLA Modules": [], "XLA Ops": []}  # type: dict[str, list[Any]]
     for e in events:
-        if e.get("ph") != "X" or (device and e["pid"] not in device):
-            continue
-        lane = names.get((e["pid"], e["tid"]), "")
-        if "Module" in lane:
-            modules[e["name"]] += 1
-            module_us[e["name"]] += e.get("dur", 0)
-        elif "Op" in lane or not device:
-            key = re.sub(r"\.\d+$", "", e["name"])
-            args = e.get("args", {})
-            slot = ops.setdefault(key, [0.0, 0, args.get("hlo_category", ""), ""])
-            slot[0] += e.get("dur", 0)
-            slot[1] += 1
-            slot[3] = slot[3] or str(args.get("long_name", ""))[:150]
-    lanes = sorted({n for (p, _), n in names.items() if p in device})
-    lines.append(f"device: {[procs[p] for p in device] or 'none (CPU: host threads)'} {lanes}")
-    for name, n in modules.most_common(6):
-        lines.append(f"  program {name}: {n} runs, mean {module_us[name] / n / 1e3:.2f} ms")
-    runs = max(modules.values(), default=1)
-    busiest = max(module_us, key=module_us.__getitem__, default=None)
-    per_step = module_us[busiest] / modules[busiest] / 1e3 if busiest else float("nan")
-    total = sum(v[0] for v in ops.values())
+        if e.get("ph") == "X" and e["pid"] in device:
+            lane.get(names.get((e["pid"], e["tid"]), ""), []).append(e)
+    runs: collections.Counter[str] = collections.Counter()
+    busy: collections.Counter[str] = collections.Counter()
+    for e in lane["XLA Modules"]:
+        runs[e["name"]] += 1
+        busy[e["name"]] += e["dur"]
+    lines = [f"programs: {sum(busy.values()) / 1e3:.1f} ms of device time in the window"]
+    for name, us in busy.most_common(4):
+        lines.append(f"  {name[:70]}: {runs[name]} runs, {us / runs[name] / 1e3:.2f} ms each")
+    main = max(busy, key=busy.__getitem__)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in lane["XLA Modules"] if e["name"] == main)
+    n = len(spans)
     cats: collections.Counter[str] = collections.Counter()
-    for us, _, cat, _ in ops.values():
-        cats[cat or "?"] += us
-    lines.append(f"busiest program {busiest}: {per_step:.2f} ms per run; ops by category:")
-    for cat, us in cats.most_common(12):
-        lines.append(f"  {cat:28s} {us / total:6.1%}")
-    lines.append(f"heaviest ops (share of op time, calls/run over {runs} runs):")
-    for key, (us, n, cat, text) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {us / total:6.1%} {n / runs:5.1f}x {cat[:16]:16s} {key[:40]:40s} {text}")
+    where: collections.Counter[str] = collections.Counter()
+    text: dict[str, str] = {}
+    for e in lane["XLA Ops"]:
+        if not any(a <= e["ts"] <= b for a, b in spans):
+            continue
+        args = e.get("args", {})
+        cats[args.get("hlo_category", "?")] += e["dur"]
+        src = args.get("source", "") or args.get("tf_op", "")[:60]
+        src = re.sub(r"^.*/(site-packages|site|w)/", "", src)
+        key = f"{src} [{args.get('hlo_category', '?')}]"
+        where[key] += e["dur"]
+        text.setdefault(key, args.get("long_name", "")[:110])
+    total = sum(cats.values()) or 1.0
+    lines.append(f"{main[:60]}: {busy[main] / n / 1e3:.2f} ms per run; ops by category:")
+    lines += [
+        f"  {c:28s} {us / total:6.1%} {us / n / 1e3:7.2f} ms" for c, us in cats.most_common(10)
+    ]
+    lines.append("by source line (per run):")
+    for key, us in where.most_common(top):
+        lines.append(f"  {us / n / 1e3:7.2f} ms {us / total:6.1%}  {key}  {text[key]}")
     return "\n".join(lines)
 
 
@@ -127,8 +184,7 @@ def main() -> None:
     root = Path(args.out or tempfile.mkdtemp())
     for way in args.ways.split(","):
         trace_dir = root / way
-        with jax.profiler.trace(str(trace_dir)):
-            run(way, args.dry_run, args.batch)
+        run(way, args.dry_run, args.batch, trace_dir)
         print(f"=== {way} ===\n{summary(trace_dir, args.top)}", flush=True)
 
 
