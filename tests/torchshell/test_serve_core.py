@@ -164,3 +164,54 @@ def test_the_core_exports_on_a_tpu_backend_with_xla_attention(monkeypatch, tmp_p
     serving = SpokenDigitsEncoder(width=16, depth=1, heads=2, dropout=0.0).serving()
     artifacts, spec = write_jax_core(serving, tmp_path, 80_000)  # checked against torch
     assert spec["core"] == "jax" and Path(artifacts["core"]).stat().st_size > 0
+
+
+def test_in_mlflow_models_serve_the_request_json_is_decoded_once(models, monkeypatch):
+    """MLflow's scoring server decodes a JSON body twice (`_parse_json_data`, then
+    `_split_data_and_params` on the raw body); the served model, loaded by the server's app,
+    makes it once, with the same reply and the same refusals. The pt2 model (the baseline
+    before #54) leaves the server as it is."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.pyfunc import scoring_server
+
+    decoded: list[int] = []
+    loads = json.loads
+
+    def counted(text, *args, **kwargs):
+        decoded.append(len(text))
+        return loads(text, *args, **kwargs)
+
+    batch = _batch([8_000, 6_400], seed=4)
+    body = json.dumps({"inputs": {k: v.tolist() for k, v in batch.items()}}).encode()
+    monkeypatch.setattr(scoring_server, "_parse_json_data", scoring_server._parse_json_data)
+    monkeypatch.setitem(sys.modules, "mlflow.pyfunc.scoring_server.app", sys.modules[__name__])
+    monkeypatch.setattr(scoring_server.json, "loads", counted)
+    replies = {}
+    for core in ("pt2", "jax"):  # pt2 first: it must not change the server
+        model = mlflow.pyfunc.load_model(str(models[core]))
+        schema = model.metadata.get_input_schema()
+        decoded.clear()
+        reply = scoring_server.invocations(body, "application/json", model, schema)
+        assert reply.status == 200, reply.response
+        replies[core] = json.loads(reply.response)["predictions"]
+        assert [n for n in decoded if n == len(body)] == [len(body)] * (1 if core == "jax" else 2)
+    assert np.abs(np.subtract(replies["jax"]["logits"], replies["pt2"]["logits"])).max() < 1e-4
+    for bad in (b"{not json", b"[1, 2]"):
+        with pytest.raises(MlflowException) as refused:
+            scoring_server.invocations(bad, "application/json", model, schema)
+        assert refused.value.get_http_status_code() == 400
+
+
+def test_the_served_models_class_gets_no_type_hint_advice():
+    """MLflow advises 'Add type hints to the `predict` method' for a PythonModel whose
+    `predict` has none (a UserWarning where the class is defined: when the model is logged,
+    and at every load); the served model validates its requests itself and says so."""
+    import runpy
+    import warnings
+
+    from torchshell.app.served import CODE
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runpy.run_path(str(CODE), run_name="served_model_probe")
+    assert not [w for w in seen if "type hints" in str(w.message)], [str(w.message) for w in seen]

@@ -22,7 +22,7 @@ from mlflow.pyfunc import PythonModel
 
 
 class Echo(PythonModel):
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: list[str], params=None) -> list[str]:
         return model_input
 
 
