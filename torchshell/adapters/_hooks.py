@@ -4,16 +4,123 @@
 port's (:class:`~torchshell.port._hooks.LightningHooks`) runs the user's ``LightningModule``
 hooks beside them, forwards its attributes, loaders and ``forward``, and traces its gradient
 hooks. Each method is given the :class:`~torchshell.module.JaxModule` whose hook calls it.
+
+User hooks are dispatched, never set on the module: each of Lightning's loop hooks
+(:data:`LOOP_HOOKS`) is a method of ``JaxModule`` that does the module's own part, then calls
+``adapter.hooks.run(module, name, ...)``. The hooks whose *presence* Lightning reads
+(:data:`TABLE_HOOKS`: it skips an evaluation loop, a loader or a batch transfer the module does
+not override) are properties of ``JaxModule`` that read the group's :attr:`ModuleHooks.table`,
+built once per module (and per fit for ``validation_step``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
 
-__all__ = ["ModuleHooks"]
+__all__ = [
+    "LOOP_HOOKS",
+    "TABLE_HOOKS",
+    "ModuleHooks",
+    "adapter_hook",
+    "dispatching_hooks",
+    "table_hook",
+]
+
+T = TypeVar("T", bound=type)
+
+# Lightning's loop hooks on a LightningModule: JaxModule's own part, then the adapter's
+LOOP_HOOKS = tuple(
+    f"on_{stage}_{when}"
+    for stage in (
+        "fit",
+        "train",
+        "validation",
+        "test",
+        "predict",
+        "train_epoch",
+        "validation_epoch",
+        "test_epoch",
+        "predict_epoch",
+    )
+    for when in ("start", "end")
+) + tuple(
+    f"on_{stage}_batch_{when}"
+    for stage in ("train", "validation", "test", "predict")
+    for when in ("start", "end")
+)
+# the hooks Lightning checks with ``is_overridden``: JaxModule finds them in the table
+TABLE_HOOKS = (
+    "validation_step",
+    "test_step",
+    "prepare_data",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+)
+
+
+def table_hook(name: str) -> Any:
+    """``JaxModule``'s hook ``name``: the entry of its adapter's hook table (a property).
+
+    Its getter is ``operator.attrgetter`` (C code): Lightning looks the batch transfer hooks
+    up for every batch, and the lookup costs no Python call.
+
+    Example:
+        >>> class Module:
+        ...     prepare_data = table_hook("prepare_data")
+        >>> module = Module()
+        >>> module.adapter = SimpleNamespace(hooks=ModuleHooks())
+        >>> module.adapter.hooks.table = SimpleNamespace(prepare_data=print)
+        >>> module.prepare_data is print
+        True
+    """
+    return property(
+        operator.attrgetter(f"adapter.hooks.table.{name}"),
+        doc=f"Lightning's ``{name}``, as the adapter gives it (``adapter.hooks.table``).",
+    )
+
+
+def adapter_hook(name: str) -> Callable[..., None]:
+    """``JaxModule``'s loop hook ``name`` where the module has no part of its own: the
+    adapter's alone (``adapter.hooks.run``; the port: the user's hook)."""
+
+    def hook(module: Any, *args: Any, **kwargs: Any) -> None:
+        module.adapter.hooks.run(module, name, *args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    return hook
+
+
+def dispatching_hooks(cls: T) -> T:
+    """``JaxModule``'s class with the Lightning hooks it does not define itself: the
+    :data:`TABLE_HOOKS` (:func:`table_hook`) and the :data:`LOOP_HOOKS` it has no part in
+    (:func:`adapter_hook`). Class attributes, set once at import; an instance holds none.
+
+    Example:
+        >>> @dispatching_hooks
+        ... class Module:
+        ...     def on_fit_start(self) -> None: ...
+        >>> Module.on_fit_start.__qualname__, Module.on_fit_end.__name__
+        ('Module.on_fit_start', 'on_fit_end')
+        >>> isinstance(Module.__dict__["val_dataloader"], property)
+        True
+    """
+    for name in TABLE_HOOKS:
+        setattr(cls, name, table_hook(name))
+    for name in LOOP_HOOKS:
+        if name not in vars(cls):  # (the class's own: it calls hooks.run itself)
+            setattr(cls, name, adapter_hook(name))
+    return cls
 
 
 class ModuleHooks:
@@ -28,21 +135,35 @@ class ModuleHooks:
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}  # attributes set through the module (batch_size)
+        self.table = SimpleNamespace()  # TABLE_HOOKS: what the module's properties give
 
     def attach(self, module: Any) -> None:
-        """At the end of the module's ``__init__``: the model's hooks put on the module."""
+        """At the end of the module's ``__init__``: the hook table, the module's own
+        evaluation steps and Lightning's defaults (loaders, batch transfer)."""
+        self.table = SimpleNamespace(**self.entries(module))
+
+    def entries(self, module: Any) -> dict[str, Any]:
+        """The table's entries: :data:`TABLE_HOOKS` as the model gives them."""
+        entries = {name: default_hook(module, name) for name in TABLE_HOOKS}
+        entries.update(validation_step=module._val_step, test_step=module._test_step)
+        return entries
 
     def trainer_attached(self, module: Any, trainer: L.Trainer) -> None:
         """When Lightning attaches the module: validation runs when the run has a val loader.
 
         Lightning warns about a ``validation_step`` without a ``val_dataloader``; the
-        module's is coreshell's, not the user's, so without a loader it is hidden
-        (Lightning's own check).
+        module's is coreshell's, not the user's, so without a loader it is Lightning's
+        default, as if not overridden (Lightning's own check).
         """
         if trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():
-            vars(module).pop("validation_step", None)
+            step = module._val_step
         else:
-            module.validation_step = L.LightningModule.validation_step.__get__(module)
+            step = default_hook(module, "validation_step")
+        self.table = SimpleNamespace(**{**vars(self.table), "validation_step": step})
+
+    def run(self, module: Any, name: str, *args: Any, **kwargs: Any) -> None:
+        """Lightning's loop hook ``name`` (:data:`LOOP_HOOKS`), after the module's own part:
+        the model's part, with the hook's arguments (the port: the user's hook)."""
 
     def setup(self, module: Any, stage: str) -> None:
         """After the module's own ``setup``."""
@@ -88,10 +209,12 @@ class ModuleHooks:
         _, loss = module._step_forward(batch, i)
         return {"loss": torch.tensor(float(loss)) / m}
 
-    def train_batch_end(self, module: Any) -> None:
-        """At the start of the module's ``on_train_batch_end``."""
-
     def grads_fn(self, module: Any) -> Any:
         """What runs on the step's gradients before the optimizer (``make_train_step``'s
         ``grads_fn``), or ``None``."""
         return None
+
+
+def default_hook(module: Any, name: str) -> Any:
+    """``LightningModule``'s own hook ``name`` bound to ``module`` (not overridden)."""
+    return getattr(L.LightningModule, name).__get__(module)

@@ -21,6 +21,7 @@ from jaxcore import ModelFns, TrainState
 from torchshell._errors import ConfigError
 from torchshell.adapters import Adapter, FlaxAdapter, Placement, TorchAdapter
 from torchshell.adapters._base import input_names, model_functions, step_loss
+from torchshell.adapters._hooks import dispatching_hooks
 from torchshell.adapters._logs import TrainLog
 from torchshell.adapters._optim import optax_options
 from torchshell.module._accumulation import Accumulation
@@ -46,22 +47,21 @@ LossFn = Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 Batch = Mapping[str, torch.Tensor]
 
 
+@dispatching_hooks  # (the eval steps, loaders, hooks it has no part in: the adapter's)
 class JaxModule(L.LightningModule):
     """Runs jaxcore train/eval/predict steps inside the real ``lightning.Trainer``.
 
     Lightning drives the loop (epochs, validation cadence, callbacks, loggers); each batch
     crosses to JAX through :func:`bridge.to_jax` (zero-copy where the layout allows, ragged
     batches padded with a ``mask``) and the step runs jitted and sharded on ``mesh``. There is
-    no torch optimizer: ``global_step`` counts JAX optimizer steps. By default a short step's
-    batches are buffered and run K per jitted call (:mod:`torchshell.module._windows`: the K=1
-    meaning of ``global_step``, logging and checkpoints kept). With ``steps_per_call=K`` a
-    DataLoader batch of ``K * B`` rows is viewed as K batches in one call. Metrics stay on
-    device and are fetched every ``log_every_n_steps`` steps (loggers, bar, callbacks).
+    no torch optimizer: ``global_step`` counts JAX optimizer steps. A short step's batches run
+    K per jitted call (:mod:`torchshell.module._windows`: ``global_step``, logging and
+    checkpoints as with K=1); ``steps_per_call=K`` views a batch of ``K * B`` rows as K. Metrics
+    stay on device, fetched every ``log_every_n_steps`` steps (loggers, bar, callbacks).
 
-    Batches come as the DataLoader yields them: a dict of tensors, or a list/tuple (a
-    ``TensorDataset``) whose positions ``batch_keys`` names (``x``, ``y`` by default).
-    The Trainer's ``precision``, ``accumulate_grad_batches`` and ``gradient_clip_val`` are
-    carried out in the JAX step (see :mod:`torchshell.module._flags`).
+    Batches come as the DataLoader yields them: a dict of tensors, or a list/tuple whose
+    positions ``batch_keys`` names. The Trainer's ``precision``, ``accumulate_grad_batches``
+    and ``gradient_clip_val`` are carried out in the JAX step (:mod:`torchshell.module._flags`).
 
     Args:
         model: a Flax linen module, a Flax NNX module, or :class:`jaxcore.ModelFns`.
@@ -76,16 +76,13 @@ class JaxModule(L.LightningModule):
         rules: explicit ``[(regex, PartitionSpec)]`` rules tried before the preset's.
         data_axis: the mesh axis the batch is split over.
         model_axis: the tensor-parallel mesh axis.
-        steps_per_call: ``"auto"`` (K batches per call, K measured) or an int K (a batch of
-            K * B rows viewed as K steps).
+        steps_per_call: ``"auto"`` (K batches per call, K measured) or K (a batch of K * B rows).
         accum_steps: micro-batches per optimizer step (gradient accumulation within a batch).
         compute_dtype: ``"float32"`` or ``"bfloat16"`` for the forward/backward pass.
         nan_policy: ``"stop"``, ``"skip"`` or ``"none"`` (see :mod:`jaxcore.guard`).
         hlo_dump_dir: write the train step's jaxpr/StableHLO/HLO here at its first compile.
-        print_summary: print the JAX parameter tree's summary (counts, bytes, sharding)
-            when the state is built; Lightning's own summary sees no torch params.
-        adapter: ``(model_fns, placement) -> Adapter``: how the model came in (``from_torch``
-            and ``from_lightning`` pass theirs); a :class:`FlaxAdapter` by default.
+        print_summary: print the JAX parameter tree's summary when the state is built.
+        adapter: ``(model_fns, placement) -> Adapter``: how the model came in (``from_*``).
 
     Example:
         >>> import jaxcore, lightning as L
@@ -162,7 +159,7 @@ class JaxModule(L.LightningModule):
         self.train_log = TrainLog(functools.partial(self.adapter.logs.emit, self))
         self._wants_outputs: tuple[Any, bool] = (None, False)  # (trainer, callbacks): wanted
         self.run_scope = RunScope()  # what a run changes (flags, loaders), undone at its end
-        self.adapter.hooks.attach(self)  # (the port: the user's hooks and loaders)
+        self.adapter.hooks.attach(self)  # (its hook table; the port: the user's loaders...)
 
     @classmethod
     def from_torch(
@@ -177,21 +174,16 @@ class JaxModule(L.LightningModule):
         """A :class:`JaxModule` training a team's own ``nn.Module``, traced by torchax.
 
         Its weights are the params (keyed by ``state_dict`` names), its buffers the model
-        state; ``module`` itself is not changed by training: :meth:`torch_state_dict` gives
-        the trained ``state_dict``, which ``module.load_state_dict(..., strict=True)`` takes.
+        state; ``module`` is not changed: :meth:`torch_state_dict` gives the trained weights.
 
         Args:
             module: the team's ``nn.Module``.
-            loss_fn: a torch loss (``nn.CrossEntropyLoss()``, ``F.mse_loss``: run by torchax
-                in the step, its ``reduction="mean"`` reproduced exactly over the real rows;
-                see :mod:`torchshell.trace._loss`) or a JAX ``loss_fn(outputs, batch)``.
-            optimizer: a ``torch.optim`` optimizer over ``module.parameters()`` (SGD, Adam,
-                AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam with torch's update math and
-                param groups) or an optax transform.
-            inputs: the batch fields (or tuple positions) fed to ``module.forward``. Given
-                as positions of a tuple batch without ``batch_keys``, the position after the
-                last input is the loss's target ``y``: ``inputs=(0, 1)`` on a
-                ``TensorDataset(ids, mask, labels)``.
+            loss_fn: a torch loss (``nn.CrossEntropyLoss()``, ``F.mse_loss``: its mean exact
+                over the real rows, :mod:`torchshell.trace._loss`) or a JAX ``loss_fn``.
+            optimizer: a ``torch.optim`` optimizer over ``module.parameters()`` (SGD, Adam(W),
+                RMSprop, Adagrad, Adamax, NAdam, RAdam: torch's math) or an optax transform.
+            inputs: the batch fields (or tuple positions) fed to ``module.forward``; as
+                positions without ``batch_keys``, the next one is the target ``y``.
             **kwargs: :class:`JaxModule` options.
 
         Example:
@@ -215,12 +207,11 @@ class JaxModule(L.LightningModule):
     ) -> JaxModule:
         """The team's own ``LightningModule``, unchanged, as the JAX core.
 
-        Its ``training_step`` (forward, torch loss, ``self.log``) is traced by torchax into
-        the jitted, sharded step; ``validation_step``/``test_step``/``predict_step`` the same
-        way for the eval loops; ``configure_optimizers`` is mapped onto optax with torch's
-        update math. Checkpoints hold the trained weights in the module's own layout, so
-        ``type(module).load_from_checkpoint(path)`` works in plain Lightning. See
-        :mod:`torchshell.port` and docs/porting.md.
+        Its ``training_step`` (forward, torch loss, ``self.log``) and evaluation steps are
+        traced by torchax into jitted, sharded steps; ``configure_optimizers`` is mapped onto
+        optax with torch's update math; its own hooks run as Lightning runs them. Checkpoints
+        keep its layout (``type(module).load_from_checkpoint(path)`` works in plain
+        Lightning). See :mod:`torchshell.port` and docs/porting.md.
 
         Args:
             module: the user's ``LightningModule``.
@@ -247,8 +238,7 @@ class JaxModule(L.LightningModule):
 
     @property
     def batch_size(self) -> Any:
-        """What Lightning's batch size finder reads and sets: the port's user module's own
-        ``batch_size``; missing (``hasattr`` false) until set otherwise."""
+        """Lightning's batch size finder's: the port's user module's (else unset until set)."""
         return self.adapter.hooks.attribute(self, "batch_size")
 
     @batch_size.setter
@@ -257,33 +247,34 @@ class JaxModule(L.LightningModule):
 
     init_state = init_state  # (the state built from a batch's shapes, once)
 
-    # -- training (torchshell.module._training, ._logging) -----------------------------------
+    # -- training (module._training, ._logging). A loop hook does the module's part, then the
+    # adapter's `hooks.run` (the port: the user's hook); those not defined here: `run` alone
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
-        """Runs the compiled step, or buffers the batch for K steps in one call
-        (:func:`~torchshell.module._training.train_batch`)."""
+        """Runs the compiled step, or buffers the batch for K steps in one call."""
         return train_batch(self, batch)  # type: ignore[no-any-return]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_started()
-        self.adapter.steps.align_logger_step(self)
+        self.adapter.hooks.run(self, "on_train_batch_start", batch, batch_idx)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.adapter.hooks.train_batch_end(self)  # (the port: LearningRateMonitor's lr)
         self.train_log.batch_ended()
+        self.adapter.hooks.run(self, "on_train_batch_end", outputs, batch, batch_idx)
 
     def on_train_epoch_end(self) -> None:
         self.accumulation.clear()  # (a window never spans epochs: the last batch closes it)
         self.adapter.logs.train_epoch_end(self)  # (the port's epoch means)
+        self.adapter.hooks.run(self, "on_train_epoch_end")
 
     def on_train_end(self) -> None:
         self.train_log.finish()
         self.adapter.logs.last_step_values(self)  # (callback_metrics: the last step's)
         check_finite(self)
+        self.adapter.hooks.run(self, "on_train_end")
 
     @property
     def state(self) -> TrainState | None:
-        """The JAX train state; batches still buffered for a window run first (the state is
-        current wherever it is read: validation, a checkpoint, a callback, after ``fit``)."""
+        """The JAX train state, current wherever it is read (buffered batches run first)."""
         if self.windows.buffer:
             run_window(self)
         return self._state
@@ -297,13 +288,11 @@ class JaxModule(L.LightningModule):
         """K chosen by ``steps_per_call="auto"`` (``None`` while measuring; 1 when off)."""
         return self.windows.k
 
-    # -- evaluation (torchshell.module._evaluation; what runs is adapter.evaluation's) -------
-    # ``dataloader_idx``: passed by Lightning with several loaders only (a port's user hook
-    # then takes it too, as Lightning requires).
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+    # -- evaluation (module._evaluation; adapter.evaluation's, found through the hook table)
+    def _val_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         return self.adapter.evaluation.validation_step(self, batch, batch_idx, dataloader_idx)
 
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+    def _test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         return self.adapter.evaluation.test_step(self, batch, batch_idx, dataloader_idx)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
@@ -311,9 +300,11 @@ class JaxModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         eval_epoch_end(self, "val")
+        self.adapter.hooks.run(self, "on_validation_epoch_end")
 
     def on_test_epoch_end(self) -> None:
         eval_epoch_end(self, "test")
+        self.adapter.hooks.run(self, "on_test_epoch_end")
 
     # -- the run: the Trainer's flags, its loaders, the optimizer (module._flags, _run_scope) -
     @property  # type: ignore[override]
@@ -337,15 +328,19 @@ class JaxModule(L.LightningModule):
     def on_train_start(self) -> None:
         self.run_scope.started(self.trainer.train_dataloader)
         self.adapter.optim.on_train_start(self)
+        self.adapter.hooks.run(self, "on_train_start")
 
     def on_validation_start(self) -> None:
         self.run_scope.started(self.trainer.val_dataloaders)
+        self.adapter.hooks.run(self, "on_validation_start")
 
     def on_test_start(self) -> None:
         self.run_scope.started(self.trainer.test_dataloaders)
+        self.adapter.hooks.run(self, "on_test_start")
 
     def on_predict_start(self) -> None:
         self.run_scope.started(self.trainer.predict_dataloaders)
+        self.adapter.hooks.run(self, "on_predict_start")
 
     def configure_optimizers(self) -> Any:
         """What the adapter's optimizer group hands Lightning (:class:`OptaxOptimizer`)."""
@@ -356,8 +351,14 @@ class JaxModule(L.LightningModule):
         return self.adapter.optim.optimizer(self)  # type: ignore[no-any-return]
 
     # -- checkpoints and the trained weights (torchshell.module._checkpoint) ---------------
-    on_fit_start = fit_start  # (a new fit: a new optimizer state)
-    on_fit_end = fit_end  # (the user's torch module holds the trained weights)
+    def on_fit_start(self) -> None:
+        fit_start(self)  # (a new fit: a new optimizer state)
+        self.adapter.hooks.run(self, "on_fit_start")
+
+    def on_fit_end(self) -> None:
+        fit_end(self)  # (the user's torch module holds the trained weights)
+        self.adapter.hooks.run(self, "on_fit_end")
+
     on_save_checkpoint = save
     on_load_checkpoint = load
     restore_from = restore_from
@@ -371,9 +372,8 @@ class JaxModule(L.LightningModule):
     def torch_state_dict(self, twin: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The trained weights as a PyTorch ``state_dict`` (strictly checked against ``twin``).
 
-        For a Flax model the params and model state (e.g. ``batch_stats``; an NNX module's
-        ``BatchStat`` variables) go through :func:`bridge.export_state_dict`; for
-        :meth:`from_torch` modules they already are one.
+        For a Flax model the params and model state (``batch_stats``, NNX ``BatchStat``) go
+        through :func:`bridge.export_state_dict`; for :meth:`from_torch` they already are one.
         """
         if self.state is None:
             raise ConfigError("No trained state yet: run trainer.fit first.")

@@ -40,6 +40,7 @@ from torchshell.port._logs import (
     _state_reductions,
     _warn_at,
 )
+from torchshell.port._sandbox import TraceSandbox
 from torchshell.trace import TracedScalar
 from torchshell.trace._messages import DATA_DEPENDENT
 
@@ -183,13 +184,6 @@ class LogCapture:
             )
             records.append((spec, value))
 
-        self.module.log = log  # type: ignore[method-assign]  # an instance attribute
-        device = self.module._device
-        self.module._device = torch.device("jax")  # tensors made on self.device are traced
-        if hook in _METRIC_HOOKS:
-            metrics = self._traced_metrics(hook, calls, cached)
-        else:
-            metrics = self._refuse_metrics(hook)
         user_class = type(self.module)
         read: set[str] = set()
 
@@ -199,29 +193,25 @@ class LogCapture:
 
         train = hook == "training_step"
         given = {"global_step": global_step} if train else {}
-        self.module.__class__ = _counting_class(user_class, read, given)
-        groups = self._watch_lr(read) if hook in ("training_step", *GRADS_HOOKS) else []
-        steps = traced_global_step(global_step) if train else contextlib.nullcontext()
-        try:
-            with steps:
-                yield
-        except DATA_DEPENDENT as err:
-            if train and "global_step" in read:
-                raise self._step_as_number(err) from err
-            raise
-        finally:
-            for owner, index, value in groups:  # the optimizers' own param groups back
-                if value is None:
-                    del owner[index]  # (an instance attribute that was not there)
-                else:
-                    owner[index] = value
-            self.module.__class__ = user_class
-            del self.module.log
-            self.module._device = device
-            for metric, before in metrics:
-                for method in _METRIC_METHODS:
-                    metric.__dict__.pop(method, None)
-                metric.__dict__.update(before)  # torchmetrics' own wrapped update/compute
+        # (every patch below is put back when the sandbox closes, an error or not)
+        with TraceSandbox() as sandbox:
+            sandbox.patch(self.module, "log", log)
+            sandbox.patch(self.module, "_device", torch.device("jax"))  # self.device: traced
+            if hook in _METRIC_HOOKS:
+                self._traced_metrics(sandbox, hook, calls, cached)
+            else:
+                self._refuse_metrics(sandbox, hook)
+            sandbox.wear_class(self.module, _counting_class(user_class, read, given))
+            if hook in ("training_step", *GRADS_HOOKS):
+                self._watch_lr(sandbox, read)
+            steps = traced_global_step(global_step) if train else contextlib.nullcontext()
+            try:
+                with steps:
+                    yield
+            except DATA_DEPENDENT as err:
+                if train and "global_step" in read:
+                    raise self._step_as_number(err) from err
+                raise
         if train:  # specialised: one program per epoch (port._host_reads)
             read.discard("current_epoch")
             if "global_step" in read:  # traced: its batches carry it from now on
@@ -232,37 +222,34 @@ class LogCapture:
                 self._warned.add((hook, name))
                 _warn_at(getattr(user_class, hook), f"{user_class.__name__}.{hook}", name)
 
-    def _watch_lr(self, read: set[str]) -> list[tuple[list[Any], int, dict[str, Any]]]:
-        """The Trainer's optimizers' param groups, swapped for dicts that note an ``lr`` read.
+    def _watch_lr(self, sandbox: TraceSandbox, read: set[str]) -> None:
+        """The Trainer's optimizers' param groups, swapped (in ``sandbox``) for dicts that
+        note an ``lr`` read, and their schedulers' ``get_last_lr``.
 
         (``self.optimizers().param_groups[0]["lr"]`` logged from a step is a constant of the
-        trace.) Returns what to put back.
+        trace.)
         """
         trainer = getattr(self.module, "_trainer", None)
-        swapped: list[tuple[Any, Any, Any]] = []
         for optimizer in getattr(trainer, "optimizers", None) or []:
             groups = optimizer.param_groups
             for index, group in enumerate(groups):
-                swapped.append((groups, index, group))
-                groups[index] = _ReadNoted(group, read)
+                sandbox.patch_item(groups, index, _ReadNoted(group, read))
         for config in getattr(trainer, "lr_scheduler_configs", None) or []:
             scheduler = config.scheduler  # get_last_lr() of self.lr_schedulers()
-            own = scheduler.__dict__.get("get_last_lr")
 
             def noted(_f: Any = scheduler.get_last_lr) -> Any:
                 read.add("lr")
                 return _f()
 
-            swapped.append((scheduler.__dict__, "get_last_lr", own))
-            scheduler.__dict__["get_last_lr"] = noted
-        return swapped
+            sandbox.patch(scheduler, "get_last_lr", noted)
 
     def _traced_metrics(
         self,
+        sandbox: TraceSandbox,
         hook: str,
         calls: list[tuple[MetricCall, dict[str, Any]]],
         cached: dict[str, Any],
-    ) -> list[tuple[Metric, dict[str, Any]]]:
+    ) -> None:
         """The module's torchmetrics objects, run on the traced batch alone.
 
         ``forward``/``update`` compute the metric's states on this batch (from its defaults,
@@ -271,14 +258,11 @@ class LogCapture:
         own states are left as they were. A metric that cannot run there (a list state, or
         an update whose shapes depend on values) runs on the host after the step instead
         (:mod:`torchshell.port._host_metrics`). ``compute`` inside the step is refused (it
-        would read the states of other batches).
+        would read the states of other batches). The methods are patched in ``sandbox``.
         """
-        patched = []
         for path, metric in self.module.named_modules():
             if not isinstance(metric, Metric):
                 continue
-            before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
-            patched.append((metric, before))
             states = _state_reductions(metric)
 
             def run(
@@ -301,14 +285,12 @@ class LogCapture:
                 return HostValue(owner, hook, _p, why, len(calls) - 1) if _f else None
 
             if hasattr(metric, "_cast_and_nan_check_input"):  # MeanMetric, SumMetric...
-                metric.__dict__["_cast_and_nan_check_input"] = functools.partial(
-                    _nan_check_traced, metric
-                )
-            metric.__dict__["forward"] = run
-            metric.__dict__["update"] = functools.partial(run, _f=False)
+                nan_check = functools.partial(_nan_check_traced, metric)
+                sandbox.patch(metric, "_cast_and_nan_check_input", nan_check)
+            sandbox.patch(metric, "forward", run)
+            sandbox.patch(metric, "update", functools.partial(run, _f=False))
             why = "compute() there would read other batches' states (call it in an epoch hook)"
-            metric.__dict__["compute"] = self._refusal(hook, path, why)
-        return patched
+            sandbox.patch(metric, "compute", self._refusal(hook, path, why))
 
     def _metric_in_step(
         self,
@@ -355,8 +337,9 @@ class LogCapture:
 
         return refuse
 
-    def _refuse_metrics(self, hook: str) -> list[tuple[Metric, dict[str, Any]]]:
-        """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``.
+    def _refuse_metrics(self, sandbox: TraceSandbox, hook: str) -> None:
+        """Makes the module's torchmetrics objects refuse to run inside the traced ``hook``
+        (patched in ``sandbox``).
 
         ``predict_step`` returns outputs, it logs nothing: run the metric on them on the host.
         """
@@ -365,12 +348,8 @@ class LogCapture:
             if hook == "predict_step"
             else "it runs on the gradients, once per optimizer step; log tensors there"
         )
-        metrics = []
         for path, metric in self.module.named_modules():
             if isinstance(metric, Metric):
-                before = {m: metric.__dict__[m] for m in _METRIC_METHODS if m in metric.__dict__}
-                metric.__dict__.update(
-                    dict.fromkeys(_METRIC_METHODS, self._refusal(hook, path, why))
-                )
-                metrics.append((metric, before))
-        return metrics
+                refusal = self._refusal(hook, path, why)
+                for method in _METRIC_METHODS:
+                    sandbox.patch(metric, method, refusal)

@@ -29,51 +29,22 @@ import torch
 
 from torchshell._errors import ConfigError
 from torchshell.adapters._batches import host_fields_back
-from torchshell.adapters._hooks import ModuleHooks
+from torchshell.adapters._hooks import LOOP_HOOKS, TABLE_HOOKS, ModuleHooks, default_hook
 from torchshell.port._host_metrics import HOST_ARGS, run_metric_calls
 from torchshell.port._logs import GRADS_HOOKS, host_tensors
 from torchshell.port._prepare import check_trainable, layers_changed
+from torchshell.port._sandbox import TraceSandbox
 from torchshell.port._trace import LightningPort
 from torchshell.port._weights import synced_on_read
 from torchshell.trace._paths import mode
 
 __all__ = ["LightningHooks"]
 
-_EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
-# the user's own loop and batch hooks, run on the host after coreshell's part of each (the
-# optimizer/backward ones are refused: see docs/porting.md)
-_LOOP_HOOKS = tuple(
-    f"on_{stage}_{when}"
-    for stage in (
-        "fit",
-        "train",
-        "validation",
-        "test",
-        "predict",
-        "train_epoch",
-        "validation_epoch",
-        "test_epoch",
-        "predict_epoch",
-    )
-    for when in ("start", "end")
-) + tuple(
-    f"on_{stage}_batch_{when}"
-    for stage in ("train", "validation", "test", "predict")
-    for when in ("start", "end")
-)
-# the user's own batch transforms on the host (augmentation, moving fields): theirs alone
-_TRANSFER_HOOKS = (
-    "on_before_batch_transfer",
-    "transfer_batch_to_device",
-    "on_after_batch_transfer",
-)
-_DATA_HOOKS = (
-    "prepare_data",
-    "train_dataloader",
-    "val_dataloader",
-    "test_dataloader",
-    "predict_dataloader",
-)
+# Lightning skips an evaluation loop whose step is not overridden (predict_step stays:
+# Lightning's default one calls the module's forward)
+_EVAL_HOOKS = ("validation_step", "test_step")
+# the user's own data hooks and batch transforms on the host (augmentation, moving fields)
+_DATA_HOOKS = tuple(hook for hook in TABLE_HOOKS if hook not in _EVAL_HOOKS)
 # Hooks that run torch code around the backward pass or the torch optimizer: the JAX step has
 # no place to run them, so a module that overrides one is refused rather than half-trained.
 # (on_after_backward/on_before_optimizer_step run traced on the step's gradients: GRADS_HOOKS.)
@@ -115,6 +86,9 @@ class LightningHooks(ModuleHooks):
     def __init__(self, port: LightningPort) -> None:
         super().__init__()
         self.port = port
+        # the loop hooks the user's module overrides: run after the module's own (`run`)
+        self.user_hooks = frozenset(hook for hook in LOOP_HOOKS if port.overrides(hook))
+        self.lr_monitor = False  # the run has a LearningRateMonitor (trainer_attached)
         custom = [hook for hook in _OPTIMIZER_HOOKS if port.overrides(hook)]
         if custom and port.module.automatic_optimization:  # (manual: see LightningSteps)
             raise ConfigError(
@@ -126,72 +100,82 @@ class LightningHooks(ModuleHooks):
                 + "), or pass optimizer= an optax transform that does the same."
             )
 
-    def attach(self, module: Any) -> None:
-        """The user's hooks, loaders and transfer hooks on the module; its hparams logged."""
-        port, user = self.port, self.port.module
-        for hook in _EVAL_HOOKS[:2]:  # Lightning skips a loop whose hook is not overridden
-            # (predict_step stays: Lightning's default one calls the module's forward)
+    def entries(self, module: Any) -> dict[str, Any]:
+        """The hook table: the user's loaders and batch transforms where it has them, and the
+        evaluation loops it has (an evaluation step it does not override: Lightning's
+        default, so the loop is skipped as in plain Lightning)."""
+        port, user, entries = self.port, self.port.module, super().entries(module)
+        for hook in _EVAL_HOOKS:
             if not port.overrides(hook):
-                setattr(module, hook, getattr(L.LightningModule, hook).__get__(module))
-        for hook in _LOOP_HOOKS:  # the user's own hooks run too, logging through Lightning
+                entries[hook] = default_hook(module, hook)
+        for hook in _DATA_HOOKS:
             if port.overrides(hook):
-                setattr(module, hook, self._with_user_hook(module, hook))
-        epoch_end = module.on_train_epoch_end  # (the user's own too, when it has one)
+                entries[hook] = getattr(user, hook)
+        return entries
 
-        def on_train_epoch_end() -> None:
-            epoch_end()
-            module.adapter.optim.step_plateau(module)  # after every epoch-end hook, as Lightning
+    def attach(self, module: Any) -> None:
+        """The hook table; the user's hparams, which the loggers (MLflow) log as the run's."""
+        super().attach(module)
+        if self.port.module.hparams:
+            module.save_hyperparameters(dict(self.port.module.hparams))
 
-        module.on_train_epoch_end = on_train_epoch_end
-        epoch_start = module.on_train_epoch_start
+    def run(self, module: Any, name: str, *args: Any, **kwargs: Any) -> None:
+        """The user's own loop hook ``name`` (when it overrides it), after the module's part,
+        with the port's own work around it, in plain Lightning's order.
 
-        def on_train_epoch_start() -> None:
-            epoch_start()  # (after the callbacks' and the user's: a freeze or unfreeze there)
-            # before the first step (a freeze in on_train_start): traced and mapped anew
-            if (
-                module.state is None
-                and not module.adapter.steps.manual
-                and port.refresh()
-                and module.tx is None
-            ):
-                module.adapter.optim.remap(module)
-            optimizers = None if module.tx is not None else module.trainer.optimizers
-            check_trainable(user, port.tracer, optimizers, module.current_epoch)
+        Before the user's: ``on_train_batch_start`` aligns Lightning's logger step
+        (``steps.align_logger_step``); ``on_train_batch_end`` gives a
+        ``LearningRateMonitor`` the schedule's hyperparameters. After it:
+        ``on_train_epoch_start`` traces and maps anew what the user's hooks froze or
+        unfroze; ``on_train_epoch_end`` steps a ``ReduceLROnPlateau`` (after every epoch-end
+        hook, as Lightning).
+        """
+        if name == "on_train_batch_start":
+            module.adapter.steps.align_logger_step(module)
+        elif name == "on_train_batch_end" and self.lr_monitor:
+            module.adapter.optim.sync_torch_lr(module)
+        if name in self.user_hooks:
+            self._run_user_hook(module, name, args, kwargs)
+        if name == "on_train_epoch_start":
+            self._trainable_checked(module)
+        elif name == "on_train_epoch_end":
+            module.adapter.optim.step_plateau(module)
 
-        module.on_train_epoch_start = on_train_epoch_start
-        for hook in _DATA_HOOKS + _TRANSFER_HOOKS:  # the module's own loaders and transforms
-            if port.overrides(hook):
-                setattr(module, hook, getattr(user, hook))
-        if user.hparams:  # the run's params in the loggers (MLflow) are the user's
-            module.save_hyperparameters(dict(user.hparams))
-
-    def _with_user_hook(self, module: Any, hook: str) -> Any:
-        """``hook`` as the module runs it, then as the user's module does.
+    def _run_user_hook(
+        self, module: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """The user's hook ``name``, as plain Lightning runs it.
 
         The user's ``self.log``/``self.log_dict`` in it go to the module's (the one
         Lightning's loop is running), so what it logs reaches the loggers and
-        ``callback_metrics`` as in plain Lightning. ``on_train_batch_end`` receives the step's
-        outputs as plain Lightning gives them (:meth:`wants_outputs`); the evaluation hooks,
-        what the traced step returned.
+        ``callback_metrics`` as in plain Lightning; under manual optimization its
+        ``sch.step()`` moves the compiled step's schedule. These are patched for the call
+        only (:class:`~torchshell.port._sandbox.TraceSandbox`). ``on_train_batch_end``
+        receives the step's outputs as plain Lightning gives them (:meth:`wants_outputs`).
         """
-        ours, theirs = getattr(module, hook), getattr(self.port.module, hook)
-
-        def both(*args: Any, **kwargs: Any) -> Any:
-            ours(*args, **kwargs)
-            user = self.port.module
-            user.log, user.log_dict = module.log, module.log_dict  # type: ignore[method-assign]
-            steps = module.adapter.steps
+        user, steps = self.port.module, module.adapter.steps
+        with TraceSandbox() as sandbox:
+            sandbox.patch(user, "log", module.log)
+            sandbox.patch(user, "log_dict", module.log_dict)
             if steps.manual:  # (its sch.step() moves the compiled step's schedule)
                 host = functools.partial(steps.host_schedulers, module)
-                user.lr_schedulers = host  # type: ignore[method-assign]
-            try:
-                with synced_on_read(user, module._sync_user_weights):
-                    return theirs(*args, **kwargs)
-            finally:
-                del user.log, user.log_dict
-                vars(user).pop("lr_schedulers", None)
+                sandbox.patch(user, "lr_schedulers", host)
+            with synced_on_read(user, module._sync_user_weights):
+                getattr(user, name)(*args, **kwargs)
 
-        return both
+    def _trainable_checked(self, module: Any) -> None:
+        """After the callbacks' and the user's ``on_train_epoch_start`` (a freeze or unfreeze
+        there): before the first step, traced and mapped anew; the trainable parameters
+        checked against the optimizers."""
+        if (
+            module.state is None
+            and not module.adapter.steps.manual
+            and self.port.refresh()
+            and module.tx is None
+        ):
+            module.adapter.optim.remap(module)
+        optimizers = None if module.tx is not None else module.trainer.optimizers
+        check_trainable(self.port.module, self.port.tracer, optimizers, module.current_epoch)
 
     def trainer_attached(self, module: Any, trainer: L.Trainer) -> None:
         """The user's own hooks decide, as in plain Lightning; the module sees the Trainer.
@@ -201,6 +185,8 @@ class LightningHooks(ModuleHooks):
         once, at trace time.
         """
         self.port.module.trainer = trainer
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning)
+        self.lr_monitor = any(type(c).__name__ == "LearningRateMonitor" for c in callbacks)
 
     def setup(self, module: Any, stage: str) -> None:
         user = self.port.module
@@ -250,7 +236,7 @@ class LightningHooks(ModuleHooks):
 
     def wants_outputs(self, module: Any) -> bool:
         """When the user's module overrides ``on_train_batch_end`` itself."""
-        return self.port.overrides("on_train_batch_end")
+        return "on_train_batch_end" in self.user_hooks
 
     def outputs_ahead(self, module: Any, batch: Any, i: int, raw: Any) -> dict[str, Any] | None:
         """Lightning's outputs, computed before the step when ``training_step`` returns more
@@ -279,11 +265,6 @@ class LightningHooks(ModuleHooks):
             return None
         extras = host_fields_back(user["extras"], raw)  # (ids: the DataLoader's values)
         return {"loss": torch.tensor(float(loss)) / module.flags.accumulate, **extras}
-
-    def train_batch_end(self, module: Any) -> None:
-        """A ``LearningRateMonitor`` reads the torch optimizers' ``lr``: the schedule's."""
-        if any(type(c).__name__ == "LearningRateMonitor" for c in module.trainer.callbacks):
-            module.adapter.optim.sync_torch_lr(module)
 
     def grads_fn(self, module: Any) -> Any:
         """The module's ``on_after_backward``/``on_before_optimizer_step``, traced on the

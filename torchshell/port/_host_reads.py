@@ -27,6 +27,8 @@ from typing import Any
 
 import lightning as L
 
+from torchshell.port._sandbox import TraceSandbox
+
 __all__ = ["SPECIALISED", "reads_hold", "reusable", "traced_global_step", "watching_trainer"]
 
 SPECIALISED = ("is_last_batch", "current_epoch")
@@ -48,7 +50,8 @@ def _user_frame() -> bool:
 @contextlib.contextmanager
 def watching_trainer(reads: dict[str, Any]) -> Iterator[None]:
     """While tracing: the user's reads of :data:`SPECIALISED` Trainer values go into
-    ``reads`` (name: value).
+    ``reads`` (name: value). The properties are patched in a
+    :class:`~torchshell.port._sandbox.TraceSandbox` (put back on exit, exceptions too).
 
     Args:
         reads: filled with what was read.
@@ -60,24 +63,18 @@ def watching_trainer(reads: dict[str, Any]) -> Iterator[None]:
         >>> reads
         {}
     """
-    saved = {name: L.Trainer.__dict__[name] for name in SPECIALISED}
+    with TraceSandbox() as sandbox:
+        for name in SPECIALISED:
+            own = sandbox.trainer_getter(name)
 
-    def recorder(name: str) -> property:
-        def get(trainer: Any) -> Any:
-            value = saved[name].fget(trainer)
-            if _user_frame():
-                reads[name] = value
-            return value
+            def get(trainer: Any, _name: str = name, _own: Any = own) -> Any:
+                value = _own(trainer)
+                if _user_frame():
+                    reads[_name] = value
+                return value
 
-        return property(get)
-
-    for name in saved:
-        setattr(L.Trainer, name, recorder(name))
-    try:
+            sandbox.trainer_property(name, get)
         yield
-    finally:
-        for name, prop in saved.items():
-            setattr(L.Trainer, name, prop)
 
 
 @contextlib.contextmanager
@@ -91,16 +88,12 @@ def traced_global_step(value: Callable[[], Any]) -> Iterator[None]:
         ...     L.Trainer.global_step.fget(None)
         'traced'
     """
-    saved = L.Trainer.__dict__["global_step"]
-
-    def get(trainer: Any) -> Any:
-        return value() if _user_frame() else saved.fget(trainer)
-
-    L.Trainer.global_step = property(get)  # type: ignore[method-assign,assignment]
-    try:
+    with TraceSandbox() as sandbox:
+        own = sandbox.trainer_getter("global_step")
+        sandbox.trainer_property(
+            "global_step", lambda trainer: value() if _user_frame() else own(trainer)
+        )
         yield
-    finally:
-        L.Trainer.global_step = saved  # type: ignore[method-assign]
 
 
 def reads_hold(trainer: Any, reads: dict[str, Any]) -> bool:
