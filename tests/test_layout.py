@@ -249,3 +249,164 @@ def test_jax_module_is_one_class_over_lightning_module_no_mixins():
         and cls is not JaxModule
     ]
     assert not subclasses, subclasses
+
+
+# -- user hooks are dispatched, never set on an instance (issue #53) --------------------------
+def _lightning_hooks() -> set[str]:
+    """The hooks Lightning calls on a ``LightningModule`` (its hook classes and its steps)."""
+    from lightning.pytorch.core.hooks import CheckpointHooks, DataHooks, ModelHooks
+
+    hooks = {
+        name
+        for cls in (ModelHooks, DataHooks, CheckpointHooks)
+        for name, value in vars(cls).items()
+        if callable(value) and not name.startswith("_")
+    }
+    steps = ("training_step", "validation_step", "test_step", "predict_step", "forward")
+    optim = ("configure_optimizers", "optimizer_step", "optimizer_zero_grad", "backward")
+    return hooks | set(steps) | set(optim) | {"lr_scheduler_step", "configure_gradient_clipping"}
+
+
+# hook names coreshell's own objects use for fields (the compiled programs: Compiled.forward,
+# Evaluation.predict_step), so ``obj.forward = ...`` alone is not a hook set on an instance
+_FIELD_NAMES = {"forward", "predict_step"}
+
+
+def _strings_of(node: ast.AST, scope: dict[str, object]) -> set[str]:
+    """The strings an expression can give: a constant, or an expression of the module's own
+    constants (``_LOOP_HOOKS``, ``_DATA_HOOKS + _TRANSFER_HOOKS``, ``dict.fromkeys(NAMES, f)``)
+    evaluated in the module's namespace; empty when it reads anything else."""
+    if isinstance(node, ast.Constant):
+        return {node.value} if isinstance(node.value, str) else set()
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "fromkeys"
+        and node.args
+    ):
+        return _strings_of(node.args[0], scope)
+    if isinstance(node, ast.Dict):
+        return set().union(*(_strings_of(k, scope) for k in node.keys if k is not None))
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    if not names or not names <= set(scope) or any(isinstance(n, ast.Call) for n in ast.walk(node)):
+        return set()
+    value = eval(compile(ast.Expression(node), "<rule>", "eval"), dict(scope))
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, (tuple, list, set, frozenset, dict)):
+        return {v for v in value if isinstance(v, str)}
+    return set()
+
+
+def _hooks_set_on_instances(tree: ast.AST, scope: dict[str, object], hooks: set[str]) -> list[str]:
+    """Where ``tree`` sets a Lightning hook as an attribute of an instance: ``obj.on_x = f``,
+    ``setattr(obj, name, f)`` with ``name`` a hook (a constant, or a loop variable over the
+    module's hook names), ``obj.__dict__[name] = f`` / ``vars(obj)[name] = f``, or
+    ``obj.__dict__.update(...)`` with hook names. ``setattr`` on a parameter annotated as a
+    class (``type[...]``: a class decorator) sets a class attribute and is not counted."""
+    found: list[str] = []
+    loops: dict[str, set[str]] = {}  # loop variable -> the names it runs over
+    classes: set[str] = set()  # parameters annotated as classes
+
+    def names_of(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Name) and node.id in loops:
+            return loops[node.id]
+        return _strings_of(node, scope)
+
+    def is_dict_of(node: ast.AST) -> bool:  # obj.__dict__ or vars(obj)
+        return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "vars"
+        )
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for arg in node.args.args + node.args.kwonlyargs:
+                text = ast.unparse(arg.annotation) if arg.annotation else ""
+                if text == "type" or text.startswith("type["):
+                    classes.add(arg.arg)
+        if isinstance(node, ast.For | ast.comprehension) and isinstance(node.target, ast.Name):
+            loops[node.target.id] = _strings_of(node.iter, scope)
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and t.attr in hooks - _FIELD_NAMES:
+                    found.append(f"{t.lineno}: {ast.unparse(t)} = ...")
+                if (
+                    isinstance(t, ast.Subscript)
+                    and is_dict_of(t.value)
+                    and names_of(t.slice) & hooks
+                ):
+                    found.append(f"{t.lineno}: {ast.unparse(t)} = ...")
+        if isinstance(node, ast.Call) and node.args:
+            func, first = node.func, node.args[0]
+            if isinstance(func, ast.Name) and func.id == "setattr" and len(node.args) == 3:
+                on_class = isinstance(first, ast.Name) and first.id in classes
+                if not on_class and names_of(node.args[1]) & hooks:
+                    found.append(f"{node.lineno}: {ast.unparse(node)}")
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("update", "setdefault")
+                and is_dict_of(func.value)
+                and set().union(*map(names_of, node.args)) & hooks
+            ):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_no_user_hook_is_set_on_an_instance():
+    """User hooks are dispatched by the adapter (``JaxModule``'s hooks call
+    ``adapter.hooks.run``), never set as attributes of the module or of the user's module
+    (issue #53): an AST scan of torchshell for the patterns that would."""
+    import importlib
+
+    hooks = _lightning_hooks()
+    found = {}
+    for path in sorted((ROOT / "torchshell").rglob("*.py")):
+        name = _module_name(path)
+        if ".app" in name or name.endswith("__main__"):
+            continue
+        scope = vars(importlib.import_module(name))
+        if hits := _hooks_set_on_instances(ast.parse(path.read_text()), scope, hooks):
+            found[str(path.relative_to(ROOT))] = hits
+    assert found == {}, f"hooks set on instances (dispatch them: adapter.hooks.run): {found}"
+
+
+def test_the_hook_rule_finds_what_the_port_did_before():
+    """The rule catches the forms ``port/_hooks.py`` and ``adapters/_hooks.py`` used before
+    issue #53, and lets a class decorator and ordinary attributes be."""
+    source = """
+import lightning as L
+_EVAL = ("validation_step", "test_step", "predict_step")
+_LOOP = tuple(f"on_{s}_start" for s in ("fit", "train"))
+_DATA = ("train_dataloader",)
+
+def attach(module, user):
+    for hook in _EVAL[:2]:
+        setattr(module, hook, getattr(L.LightningModule, hook).__get__(module))
+    for hook in _LOOP:
+        setattr(module, hook, lambda: None)
+    module.on_train_epoch_end = lambda: None
+    for hook in _DATA + _LOOP:
+        module.__dict__[hook] = getattr(user, hook)
+    vars(module).update(dict.fromkeys(_DATA, None))
+
+def fine(module, cls: type[object], owner):
+    for hook in _LOOP:
+        setattr(cls, hook, None)  # (a class attribute)
+    setattr(owner, "batch_size", 3)
+    module.log = print
+"""
+    scope: dict[str, object] = {}
+    exec(compile(source, "<snippet>", "exec"), scope)
+    hits = _hooks_set_on_instances(ast.parse(source), scope, _lightning_hooks())
+    assert [h.split(":")[0] for h in hits] == ["9", "11", "12", "14", "15"], hits

@@ -32,7 +32,7 @@ __all__ = [
     "table_hook",
 ]
 
-T = TypeVar("T", bound=type)
+T = TypeVar("T")
 
 # Lightning's loop hooks on a LightningModule: JaxModule's own part, then the adapter's
 LOOP_HOOKS = tuple(
@@ -101,7 +101,7 @@ def adapter_hook(name: str) -> Callable[..., None]:
     return hook
 
 
-def dispatching_hooks(cls: T) -> T:
+def dispatching_hooks(cls: type[T]) -> type[T]:
     """``JaxModule``'s class with the Lightning hooks it does not define itself: the
     :data:`TABLE_HOOKS` (:func:`table_hook`) and the :data:`LOOP_HOOKS` it has no part in
     (:func:`adapter_hook`). Class attributes, set once at import; an instance holds none.
