@@ -8,6 +8,7 @@ from jaxcore._errors import (
     NonFiniteError,
     ShardingError,
 )
+from jaxcore._rows import rows
 from jaxcore.compile import (
     CompileStats,
     Step,
@@ -16,9 +17,10 @@ from jaxcore.compile import (
     enable_compile_cache,
 )
 from jaxcore.eval_step import make_eval_step, make_predict_step, make_train_forward
-from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
+from jaxcore.grads import GradFn, Grads, Window, accumulate, row_grads, unrolled
 from jaxcore.guard import NAN_POLICIES, check_finite, set_debug_nans
 from jaxcore.losses import MICRO, TOTAL, masked_mean, per_example, softmax_cross_entropy
+from jaxcore.make_step import make_train_step
 from jaxcore.mesh import make_mesh, set_cpu_devices
 from jaxcore.model import ModelFns, linen_model, nnx_model
 from jaxcore.optim import current_lr, make_optimizer, make_schedule
@@ -44,7 +46,15 @@ from jaxcore.state import (
     start_train_state,
     state_shardings,
 )
-from jaxcore.step import GradsHook, StepFn, k_steps, make_train_step, scale_grads, train_step
+from jaxcore.step import (
+    ComposedStep,
+    GradsHook,
+    StepFn,
+    jit_step,
+    k_steps,
+    scale_grads,
+    train_step,
+)
 
 __all__ = [
     "LARGEST",
@@ -54,6 +64,7 @@ __all__ = [
     "TOTAL",
     "BatchError",
     "CompileStats",
+    "ComposedStep",
     "ConfigError",
     "GradFn",
     "Grads",
@@ -69,6 +80,7 @@ __all__ = [
     "Step",
     "StepFn",
     "TrainState",
+    "Window",
     "accumulate",
     "batch_sharding",
     "check_finite",
@@ -77,6 +89,7 @@ __all__ = [
     "disable_compile_cache",
     "enable_compile_cache",
     "init_train_state",
+    "jit_step",
     "k_steps",
     "linen_model",
     "make_eval_step",
@@ -96,6 +109,7 @@ __all__ = [
     "resolve_dtype",
     "restart_optimizer",
     "row_grads",
+    "rows",
     "scale_grads",
     "set_cpu_devices",
     "set_debug_nans",

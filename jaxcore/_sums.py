@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcore._errors import BatchError
+from jaxcore._rows import rows
 from jaxcore.losses import TOTAL
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import cast_floating
@@ -25,23 +26,6 @@ Metrics = dict[str, jax.Array]
 def _mask(batch: Batch, n: int) -> jax.Array:
     mask = batch.get("mask") if isinstance(batch, Mapping) else None
     return jnp.ones((n,), bool) if mask is None else mask
-
-
-def _rows(batch: Batch) -> int:
-    """The batch's rows: the common leading size of its array leaves (any pytree)."""
-    sizes = {
-        jax.tree_util.keystr(path): v.shape[0]
-        for path, v in jax.tree_util.tree_leaves_with_path(batch)
-        if getattr(v, "ndim", 0)
-    }
-    if len(set(sizes.values())) > 1:
-        raise BatchError(
-            f"Every batch field needs the same number of rows, got {sizes}. "
-            "Fix: collate the fields of one example together."
-        )
-    if not sizes:
-        raise BatchError("The batch has no array fields. Fix: pass a dict of [B, ...] arrays.")
-    return next(iter(sizes.values()))
 
 
 def _inputs(batch: Batch, dtype: Any) -> Batch:
@@ -80,7 +64,7 @@ def _weights(batch: Batch, weigh_rows: bool) -> tuple[jax.Array | None, jax.Arra
     """The rows' float mask and its count; ``(None, 1)`` when the batch weighs one."""
     if not weigh_rows:
         return None, jnp.float32(1.0)
-    mask = _mask(batch, _rows(batch)).astype(jnp.float32)
+    mask = _mask(batch, rows(batch)).astype(jnp.float32)
     return mask, jnp.sum(mask)
 
 
@@ -114,14 +98,16 @@ def _sums(
     return _reduce(losses, mask, count), (new_state, sums, count)
 
 
-def _flat_rows(batch: Batch, stacked: bool, unrolled: bool) -> Batch:
-    """A step's batch as one batch of rows: an accumulation window's micro-batches (stacked
-    ``[m, B, ...]`` or a sequence) joined, so a bad row is numbered within the window."""
-    if unrolled:  # (micro-batches of other shapes: each field first one value per row)
-        return jax.tree.map(lambda *v: jnp.concatenate([_row_flags(x) for x in v]), *batch)
-    if stacked:
-        return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), batch)
-    return batch
+def _joined_stacked(batch: Batch) -> Batch:
+    """Stacked micro-batches ``[m, B, ...]`` as one batch of ``m * B`` rows (a bad row is
+    numbered within the window)."""
+    return jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), batch)
+
+
+def _joined_unrolled(batch: Batch) -> Batch:
+    """A sequence of micro-batches of other shapes as one batch of rows: each field first one
+    value per row (:func:`_row_flags`), then joined."""
+    return jax.tree.map(lambda *v: jnp.concatenate([_row_flags(x) for x in v]), *batch)
 
 
 def _row_flags(v: jax.Array) -> jax.Array:
@@ -143,10 +129,10 @@ def _drop_leading_axes(batch: Batch, n: int) -> Batch:
 def _micro_batches(batch: Batch, m: int) -> Batch:
     """``[B, ...] -> [m, B/m, ...]``; micro-batch ``i`` takes rows ``i, i+m, ...`` so each
     device's rows stay on that device."""
-    rows = _rows(batch)
-    if rows % m:
+    n = rows(batch)
+    if n % m:
         raise BatchError(
-            f"accum_steps={m} must divide the batch rows, got {rows} rows. Fix: make the "
+            f"accum_steps={m} must divide the batch rows, got {n} rows. Fix: make the "
             f"global batch size a multiple of {m}, or change accum_steps."
         )
-    return jax.tree.map(lambda v: jnp.swapaxes(v.reshape(rows // m, m, *v.shape[1:]), 0, 1), batch)
+    return jax.tree.map(lambda v: jnp.swapaxes(v.reshape(n // m, m, *v.shape[1:]), 0, 1), batch)

@@ -18,14 +18,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcore._sums import LossFn, Metrics, _micro_batches, _sums
+from jaxcore._sums import LossFn, Metrics, _joined_stacked, _joined_unrolled, _micro_batches, _sums
 from jaxcore.guard import NO_CHECK, checking, first_failed
 from jaxcore.model import Batch, ModelFns
 from jaxcore.precision import resolve_dtype
 
 PyTree = Any
 
-__all__ = ["GradFn", "Grads", "accumulate", "row_grads", "unrolled"]
+__all__ = ["GradFn", "Grads", "Window", "accumulate", "row_grads", "unrolled"]
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +64,28 @@ class Grads:
 GradFn = Callable[[PyTree, PyTree, PyTree, jax.Array], Grads]
 """``(params, model_state, batch, key) -> Grads``; the batch is one batch, or the window of
 micro-batches a transform takes (stacked ``[m, B, ...]``, or a sequence for :func:`unrolled`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A :data:`GradFn` over a window of micro-batches (what :func:`accumulate` and
+    :func:`unrolled` give): called like ``fn``, it also tells the step how to read its batch.
+
+    Attributes:
+        fn: the gradient function of the whole window.
+        joined: the window's batch as one batch of rows (the NaN guard numbers a bad row
+            within the window: :func:`jaxcore.train_step`).
+        loop_free: when ``fn`` loops over its micro-batches, the same computation for one
+            micro-batch without the loop (XLA's cost analysis counts a loop body once), else
+            ``None``.
+    """
+
+    fn: GradFn
+    joined: Callable[[Batch], Batch]
+    loop_free: GradFn | None = None
+
+    def __call__(self, params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Grads:
+        return self.fn(params, model_state, batch, key)
 
 
 def row_grads(
@@ -151,7 +173,7 @@ def accumulate(
     if m == 1 and not stacked:
         return grad_fn
 
-    def grad_sums(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Grads:
+    def window_grads(params: PyTree, model_state: PyTree, batch: Batch, key: jax.Array) -> Grads:
         if m == 1:  # a window of one: micro-batch 0, as in a longer window
             one = grad_fn(
                 params, model_state, jax.tree.map(lambda v: v[0], batch), jax.random.fold_in(key, 0)
@@ -174,7 +196,13 @@ def accumulate(
         total, each = jax.lax.scan(body, zeros, (jnp.arange(m), micro))
         return total._replace(each=each)
 
-    return grad_sums
+    loop_free = (accumulate(grad_fn, 1, stacked=True) if stacked else grad_fn) if m > 1 else None
+    return Window(window_grads, _joined_stacked if stacked else _identity, loop_free)
+
+
+def _identity(batch: Batch) -> Batch:
+    """A batch split into micro-batches by :func:`accumulate` is already one batch of rows."""
+    return batch
 
 
 def unrolled(grad_fn: GradFn, *, per_micro: bool = False) -> GradFn:
@@ -208,4 +236,4 @@ def unrolled(grad_fn: GradFn, *, per_micro: bool = False) -> GradFn:
         stacked = jax.tree.map(lambda *v: jnp.stack(v), *each) if per_micro else None
         return total._replace(each=stacked)
 
-    return grad_sums
+    return Window(grad_sums, _joined_unrolled)

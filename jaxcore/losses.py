@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcore._errors import BatchError
+from jaxcore._rows import rows as _rows
 from jaxcore.guard import index_check
 
 TOTAL = "total/"
@@ -134,13 +135,13 @@ def per_example(loss_fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, d
     def wrapped(outputs: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
         losses, metrics = split(loss_fn(outputs, batch))
         totals = {k: metrics.pop(k) for k in list(metrics) if k.startswith(TOTAL)}
-        rows = _batch_rows(batch)
+        rows = _rows(batch, default=0) or None  # (fields of other lengths: as they are)
         values = [losses, *metrics.values()]
         if rows is None or all(jnp.ndim(v) == 1 and jnp.shape(v)[0] == rows for v in values):
             return losses, metrics | totals
         mapped = [jnp.ndim(x) >= 1 and jnp.shape(x)[0] == rows for x in jax.tree.leaves(outputs)]
         if not any(mapped) or any(jnp.ndim(v) > 1 for v in values):
-            _check_rows(values, metrics, rows)
+            _check_per_row(values, metrics, rows)
             return losses, metrics | totals  # batch-level values, reduced as batch means
         if totals:
             raise BatchError(
@@ -158,21 +159,13 @@ def per_example(loss_fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, d
 
         losses, metrics = jax.vmap(one_row, in_axes=axes)(*leaves)
         flat = jax.tree.map(lambda v: v.reshape(rows, -1), (losses, metrics))
-        _check_rows([flat[0], *flat[1].values()], flat[1], rows, per_row=True)
+        _check_per_row([flat[0], *flat[1].values()], flat[1], rows, per_row=True)
         return flat[0][:, 0], {k: v[:, 0] for k, v in flat[1].items()}
 
     return wrapped
 
 
-def _batch_rows(batch: Mapping[str, Any]) -> int | None:
-    mask = batch.get("mask") if isinstance(batch, Mapping) else None
-    if mask is not None and jnp.ndim(mask) == 1:
-        return int(jnp.shape(mask)[0])
-    sizes = [jnp.shape(x)[0] for x in jax.tree.leaves(batch) if jnp.ndim(x) >= 1]
-    return int(sizes[0]) if sizes else None
-
-
-def _check_rows(
+def _check_per_row(
     values: list[Any], metrics: Mapping[str, Any], rows: int, per_row: bool = False
 ) -> None:
     names = ["loss", *metrics]

@@ -5,8 +5,15 @@ by :func:`~jaxcore.grads.accumulate` for micro-batches) turned into an update by
 :func:`train_step`: the exact masked means (one division by the valid rows), the gradient
 hooks in order (:func:`scale_grads`, a module's own), the optax update and, with a NaN policy,
 the guard (:mod:`jaxcore.guard`). :func:`k_steps` runs any step K times over K stacked batches
-in one ``lax.scan``, so the loop and dispatch cost is paid once per K steps.
-:func:`make_train_step` composes them from its options and jits the result. Steps that do not
+in one ``lax.scan``, so the loop and dispatch cost is paid once per K steps. :func:`jit_step`
+jits the result with the state's shardings and donation. Each behaviour is the presence of a
+transform, chained at the call site as optax chains gradient transformations::
+
+    grad_fn = accumulate(row_grads(model, loss_fn), 4)          # 4 micro-batches
+    step = train_step(grad_fn, tx, hooks=[scale_grads(0.5)], nan_policy="skip")
+    step = jit_step(k_steps(step, 8), state_sharding=state_shardings(state))
+
+(:func:`jaxcore.make_train_step` is the same chain from keyword options.) Steps that do not
 train: :mod:`jaxcore.eval_step`.
 
 Randomness: the step's key is ``fold_in(state.rng, state.step)`` and micro-batch ``i`` uses
@@ -28,22 +35,23 @@ import optax
 
 from jaxcore._errors import BatchError
 from jaxcore._inputs import input_where, window_input_where
-from jaxcore._sums import LossFn, Metrics, _drop_leading_axes, _flat_rows
-from jaxcore.compile import Step, check_positive
-from jaxcore.grads import GradFn, Grads, accumulate, row_grads, unrolled
+from jaxcore._sums import LossFn, Metrics, _drop_leading_axes
+from jaxcore.compile import Step
+from jaxcore.grads import GradFn, Grads, Window
 from jaxcore.guard import CHECKED, check_policy, checked, finite_ok, guarded
 from jaxcore.losses import MICRO, TOTAL
-from jaxcore.model import Batch, ModelFns
+from jaxcore.model import Batch
 from jaxcore.state import TrainState
 
 PyTree = Any
 
 __all__ = [
+    "ComposedStep",
     "GradsHook",
     "LossFn",
     "StepFn",
+    "jit_step",
     "k_steps",
-    "make_train_step",
     "scale_grads",
     "train_step",
 ]
@@ -59,6 +67,29 @@ class CheckedStepFn(Protocol):
     def __call__(
         self, state: TrainState, batch: Batch, found: jax.Array | None = None, /
     ) -> tuple[TrainState, Metrics]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedStep:
+    """A step a transform gave (:func:`train_step`, :func:`k_steps`): called like ``fn``, it
+    also carries what :func:`k_steps` and :func:`jit_step` need to know of it.
+
+    Attributes:
+        fn: the step, ``(state, batch[, found]) -> (state, metrics)``.
+        steps_per_call: optimizer steps per call.
+        input_rows: with ``nan_policy="stop"``, the batch as one batch of rows (the inputs
+            :func:`k_steps` checks for a whole window at once), else ``None``.
+        loop_free: when ``fn`` loops (micro-batches, K steps), one optimizer step of the same
+            computation without loops, for XLA's cost analysis; else ``None``.
+    """
+
+    fn: Callable[..., tuple[TrainState, Metrics]]
+    steps_per_call: int = 1
+    input_rows: Callable[[Batch], Batch] | None = None
+    loop_free: StepFn | None = None
+
+    def __call__(self, *args: Any) -> tuple[TrainState, Metrics]:
+        return self.fn(*args)
 
 
 def scale_grads(factor: float) -> GradsHook:
@@ -134,14 +165,14 @@ def train_step(
     *,
     hooks: Sequence[GradsHook] = (),
     nan_policy: str = "none",
-    input_rows: Callable[[Batch], Batch] = lambda batch: batch,
-) -> CheckedStepFn:
+    input_rows: Callable[[Batch], Batch] | None = None,
+) -> ComposedStep:
     """One optimizer step from a gradient function: ``step(state, batch) -> (state, metrics)``.
 
     The step's key is ``fold_in(state.rng, state.step)``; losses, metrics and gradients are
     exact masked means (the sums of ``grad_fn`` over its valid-row count); ``hooks`` run in
     order on the mean gradient before ``tx`` sees it (clipping lives in ``tx``, after them),
-    each may change it and report metrics. Not jitted: :func:`make_train_step` jits it.
+    each may change it and report metrics. Not jitted: :func:`jit_step` jits it.
 
     Args:
         grad_fn: the step's gradient function (:mod:`jaxcore.grads`).
@@ -150,9 +181,11 @@ def train_step(
         nan_policy: ``"none"``, ``"skip"`` or ``"stop"`` (:mod:`jaxcore.guard`); with a guard
             the metrics gain ``nonfinite`` (1.0 on a refused step).
         input_rows: the batch as one batch of rows (under ``"stop"`` a batch field holding
-            NaN/Inf refuses the step, its rows numbered this way). With a guard, a failed
-            input check of the forward pass (:func:`jaxcore.guard.input_check`, e.g. an
-            embedding's index range) refuses the step too.
+            NaN/Inf refuses the step, its rows numbered this way); ``None``: as ``grad_fn``
+            reads its batch (a :class:`~jaxcore.grads.Window`'s micro-batches joined). With
+            a guard, a failed input check of the forward pass
+            (:func:`jaxcore.guard.input_check`, e.g. an embedding's index range) refuses the
+            step too.
 
     Example:
         >>> import jax.numpy as jnp, jaxcore
@@ -161,12 +194,14 @@ def train_step(
         >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32)}
         >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
         ...     mesh=jaxcore.make_mesh({"data": -1}))
-        >>> step = train_step(row_grads(model, jaxcore.softmax_cross_entropy), tx)
+        >>> step = train_step(jaxcore.row_grads(model, jaxcore.softmax_cross_entropy), tx)
         >>> st, metrics = step(st, batch)
         >>> int(st.step), sorted(metrics)
         (1, ['accuracy', 'loss'])
     """
     policy = check_policy(nan_policy)
+    window = grad_fn if isinstance(grad_fn, Window) else None
+    as_rows = input_rows or (window.joined if window is not None else _as_is)
 
     def step(
         state: TrainState, batch: Batch, found: jax.Array | None = None
@@ -194,7 +229,7 @@ def train_step(
             return new, metrics
         ok = finite_ok(metrics["loss"], grads, state, policy)
         if policy == "stop" and found is None:  # (k_steps hands it in, found per window)
-            found = input_where(input_rows(batch))
+            found = input_where(as_rows(batch))
         if g.check is not None:  # an input check (embedding index range) failed: refused
             failed = checked(g.check)
             found = failed if found is None else jnp.where(failed[0] == CHECKED, failed, found)
@@ -202,7 +237,15 @@ def train_step(
         refused = (new.nonfinite - state.nonfinite).astype(jnp.float32)
         return new, {**metrics, "nonfinite": refused}
 
-    return step
+    loop_free = None
+    if window is not None and window.loop_free is not None:
+        loop_free = train_step(window.loop_free, tx, hooks=hooks, nan_policy=nan_policy)
+    return ComposedStep(step, input_rows=as_rows if policy == "stop" else None, loop_free=loop_free)
+
+
+def _as_is(batch: Batch) -> Batch:
+    """A batch that is already one batch of rows."""
+    return batch
 
 
 def k_steps(
@@ -210,13 +253,14 @@ def k_steps(
     k: int,
     *,
     input_check: Callable[[Batch], jax.Array] | None = None,
-) -> StepFn:
+) -> ComposedStep:
     """``step`` run over K stacked batches (every field ``[K, B, ...]``) in one ``lax.scan``;
     the metrics gain a leading K axis.
 
     ``input_check`` (``nan_policy="stop"``: :func:`jaxcore.guard.window_input_where`) checks
     the K batches' inputs at once, before the loop; ``step`` then takes each batch's result
-    as a third argument instead of checking inside the loop.
+    as a third argument instead of checking inside the loop. A :func:`train_step` under
+    ``"stop"`` gets that check without asking.
 
     Example:
         >>> import jax.numpy as jnp
@@ -226,6 +270,10 @@ def k_steps(
         >>> int(state), metrics["x"].tolist()
         (3, [2.0, 2.0, 2.0])
     """
+
+    composed = step if isinstance(step, ComposedStep) else None
+    if input_check is None and composed is not None and composed.input_rows is not None:
+        input_check = functools.partial(window_input_where, k=k, rows=composed.input_rows)
 
     def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
         leading = {
@@ -243,83 +291,33 @@ def k_steps(
         with_found = cast(CheckedStepFn, step)  # (with input_check: a CheckedStepFn, above)
         return jax.lax.scan(lambda st, xs: with_found(st, *xs), state, (batches, found))
 
-    return multi_step
+    inner = composed.steps_per_call if composed is not None else 1
+    loop_free = (composed.loop_free if composed is not None else None) or step
+    return ComposedStep(multi_step, steps_per_call=k * inner, loop_free=loop_free)
 
 
-def make_train_step(
-    model: ModelFns,
-    loss_fn: LossFn,
-    tx: optax.GradientTransformation,
+def jit_step(
+    step: StepFn | ComposedStep,
     *,
     state_sharding: PyTree = None,
     batch_sharding: PyTree = None,
     donate: bool = True,
-    steps_per_call: int = 1,
-    accum_steps: int = 1,
-    compute_dtype: Any = None,
-    nan_policy: str = "none",
-    stacked_micro: bool = False,
-    grad_scale: float = 1.0,
-    weigh_rows: bool = True,
-    unrolled_micro: bool = False,
-    per_micro: bool = False,
-    grads_fn: Callable[[TrainState, PyTree], tuple[PyTree, Metrics]] | None = None,
+    name: str = "train_step",
 ) -> Step:
-    """A jitted ``train_step(state, batch) -> (state, metrics)``: the transforms composed.
-
-    The options pick the transforms: ``accum_steps``/``stacked_micro``/``unrolled_micro``
-    the gradient function (:mod:`jaxcore.grads`), ``grad_scale``/``grads_fn`` the hooks and
-    ``nan_policy`` the guard of :func:`train_step`, ``steps_per_call`` :func:`k_steps`.
-
-    Losses and metrics are exact masked means over the batch ``mask`` (all rows when absent),
-    also across micro-batches. The state is donated, so the caller must use the returned one.
-    Gradient clipping and the learning-rate schedule live in ``tx``
-    (:func:`jaxcore.make_optimizer`).
+    """``step`` jitted: the state in and out on ``state_sharding``, its buffers donated.
 
     Args:
-        model: init/apply functions.
-        loss_fn: ``(outputs, batch) -> (loss[B], {name: metric[B]})``.
-        tx: the optimizer.
+        step: the composed step (:func:`train_step`, :func:`k_steps`) or any
+            ``(state, batch) -> (state, metrics)``.
         state_sharding: shardings of the state (``state_shardings(state)``).
         batch_sharding: shardings of the batch (``jaxcore.batch_sharding(mesh, ...)``), or
             ``None`` to take the arrays' own.
-        donate: donate the input state's buffers.
-        steps_per_call: K > 1 takes K stacked batches (every field ``[K, B, ...]``), runs K
-            optimizer steps in one ``lax.scan`` and returns metrics with a leading K axis.
-        accum_steps: micro-batches per step; gradients are summed over them in a
-            ``lax.scan`` (same update as one step on the full batch, less activation memory).
-        compute_dtype: ``None``/``"float32"`` or ``"bfloat16"``: the dtype of the forward and
-            backward pass; params, gradients, optimizer state and the loss stay float32.
-        nan_policy: ``"none"``, ``"skip"`` or ``"stop"`` (see :mod:`jaxcore.guard`); with a
-            guard the metrics gain ``nonfinite`` (1.0 on a refused step).
-        stacked_micro: with ``accum_steps=m``, the batch already holds its m micro-batches
-            on a leading axis (``[m, B, ...]``, e.g. m DataLoader batches stacked for
-            Lightning's ``accumulate_grad_batches``) instead of being split by rows.
-
-        grad_scale: multiplies the mean gradient before the update (Lightning's last,
-            short accumulation window: ``k / accumulate_grad_batches``).
-        weigh_rows: ``True``: means over rows (a micro-batch weighs its valid rows).
-            ``False``: each micro-batch weighs one, as under Lightning's
-            ``accumulate_grad_batches`` (the mean of the micro-batches' means); the loss and
-            metrics must be 0-d batch means and the fields need no common row count.
-        unrolled_micro: the batch is a sequence of micro-batches whose shapes may differ
-            (an accumulation window holding a ragged last batch), unrolled in the step
-            instead of scanned; micro-batch ``i`` draws ``fold_in(key, i)`` as when stacked.
-        per_micro: with ``stacked_micro``/``unrolled_micro``, the metrics also hold each
-            micro-batch's own values, ``MICRO + name`` of shape ``[m]`` (the loss's
-            excluded: it is the step's).
-        grads_fn: ``(state, grads) -> (grads, metrics)``, run on the step's gradients
-            (the mean over its micro-batches, after ``grad_scale``) before the optimizer
-            sees them (clipping lives in ``tx``, after it): it may change them and report
-            metrics, merged into the step's (a Lightning module's
-            ``on_before_optimizer_step``). ``state`` is the state before the update.
-
-    The batch is any pytree of ``[B, ...]`` arrays (a dict, a tuple, nested); an optional
-    ``mask`` key of a dict batch marks the real rows. A loss or metric the ``loss_fn``
-    returns as a 0-d array is a mean over the (unpadded) batch.
+        donate: donate the input state's buffers (the caller must use the returned state).
+        name: the name of the dumps (:meth:`jaxcore.Step.compile`).
 
     Returns:
-        The jitted step, a :class:`jaxcore.Step` (``.compile(state, batch)`` for statistics).
+        The jitted step, a :class:`jaxcore.Step` (``.compile(state, batch)`` for statistics;
+        the FLOPs of one optimizer step, from the composed step's loop-free twin).
 
     Example:
         >>> import jax.numpy as jnp, jaxcore
@@ -328,42 +326,19 @@ def make_train_step(
         >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.zeros(8, jnp.int32)}
         >>> st = jaxcore.init_train_state(model, tx, batch, seed=0,
         ...     mesh=jaxcore.make_mesh({"data": -1}))
-        >>> step = make_train_step(model, jaxcore.softmax_cross_entropy, tx,
-        ...     state_sharding=jaxcore.state_shardings(st), accum_steps=2)
+        >>> grad_fn = jaxcore.accumulate(jaxcore.row_grads(model, jaxcore.softmax_cross_entropy), 2)
+        >>> step = jit_step(train_step(grad_fn, tx), state_sharding=jaxcore.state_shardings(st))
         >>> st, metrics = step(st, batch)
-        >>> int(st.step), sorted(metrics)
-        (1, ['accuracy', 'loss'])
+        >>> int(st.step), step.steps_per_call
+        (1, 1)
     """
-    k = check_positive("steps_per_call", steps_per_call)
-    m = check_positive("accum_steps", accum_steps)
-    base = row_grads(model, loss_fn, compute_dtype=compute_dtype, weigh_rows=weigh_rows)
-    if unrolled_micro:
-        grad_fn = unrolled(base, per_micro=per_micro)
-    else:
-        grad_fn = accumulate(base, m, stacked=stacked_micro, per_micro=per_micro)
-    hooks = ([scale_grads(grad_scale)] if grad_scale != 1.0 else []) + (
-        [grads_fn] if grads_fn is not None else []
-    )
-
-    def input_rows(batch: Batch) -> Batch:
-        return _flat_rows(batch, stacked_micro, unrolled_micro)
-
-    def compose(grad_fn: GradFn) -> CheckedStepFn:
-        return train_step(grad_fn, tx, hooks=hooks, nan_policy=nan_policy, input_rows=input_rows)
-
-    one_step = compose(grad_fn)
-    window_check = None
-    if k > 1 and check_policy(nan_policy) == "stop":  # the window's inputs checked at once
-        window_check = functools.partial(window_input_where, k=k, rows=input_rows)
-    # only a looping step needs the loop-free twin traced for its cost (a second trace and
-    # lowering: a third of a warm start's time to the first step, measured)
-    looping = (k > 1 or m > 1) and not unrolled_micro
-    flat = compose(accumulate(base, 1, stacked=stacked_micro)) if looping else None
+    composed = step if isinstance(step, ComposedStep) else None
+    k = composed.steps_per_call if composed is not None else 1
     return Step(
-        one_step if k == 1 else k_steps(one_step, k, input_check=window_check),
-        name="train_step",
+        step,
+        name=name,
         steps_per_call=k,
-        cost_fn=flat,
+        cost_fn=composed.loop_free if composed is not None else None,
         cost_args=lambda st, b: (st, _drop_leading_axes(b, int(k > 1))),
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, None),

@@ -251,6 +251,102 @@ def test_jax_module_is_one_class_over_lightning_module_no_mixins():
     assert not subclasses, subclasses
 
 
+# -- one definition of a batch's rows (issue #53) ----------------------------------------------
+# jaxcore's (the step's: the size every array shares) and bridge's (Lightning's batch size, and
+# the round-up to the data axis); every other module imports them.
+ROW_HOMES = {("jaxcore/_rows.py", "rows"), ("bridge/_batch.py", "rows")}
+_ROWS_NAME = re.compile(r"^_?(\w+_)?rows$")
+
+
+def _computes_rows(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``fn`` works a row count out itself: it reads an array's ``.shape``/``.size``
+    or rounds up with ``-(-n // m)``, instead of calling one of the homes."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and node.attr in ("shape", "size"):
+            return True
+        negated = isinstance(node, ast.BinOp) and isinstance(node.left, ast.UnaryOp)
+        if negated and isinstance(node.op, ast.FloorDiv) and isinstance(node.left.op, ast.USub):
+            return True
+    return False
+
+
+def _row_definitions(files: dict[str, str]) -> list[str]:
+    """``path:line name`` of every function named like a row count (``rows``, ``_rows``,
+    ``*_rows``) that computes it itself, outside :data:`ROW_HOMES`."""
+    found = []
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            named = _ROWS_NAME.match(node.name) and (path, node.name) not in ROW_HOMES
+            if named and _computes_rows(node):
+                found.append(f"{path}:{node.lineno} {node.name}")
+    return sorted(found)
+
+
+def _sources(*packages: str) -> dict[str, str]:
+    return {
+        str(p.relative_to(ROOT)): p.read_text()
+        for package in packages
+        for p in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def test_rows_are_defined_once_in_jaxcore_and_once_in_bridge():
+    """A function named like a batch's row count computes it in ``jaxcore/_rows.py`` or
+    ``bridge/_batch.py`` only (with ``bridge.round_up``, the round-up to the data axis); the
+    rest import them (issue #53: there were nine)."""
+    assert _row_definitions(_sources(*PACKAGES)) == []
+    for path, name in ROW_HOMES:  # (the homes still hold them)
+        assert _row_definitions({path: (ROOT / path).read_text()}) == []
+        assert f"def {name}(" in (ROOT / path).read_text()
+
+
+def test_the_rows_rule_finds_a_second_definition_and_lets_a_delegate_pass():
+    own = (
+        "def batch_rows(b):\n    return b['x'].shape[0]\n"
+        "class P:\n    def global_rows(self, n):\n        return -(-n // self.ways) * self.ways\n"
+        "def _rows(t):\n    return t.size(0)\n"
+    )
+    delegates = (
+        "def global_rows(self, n):\n    return bridge.round_up(n, self.ways)\n"
+        "def common_rows(b):\n    return jaxcore.rows(b, default=0) or bridge.rows(b)\n"
+        "def real_rows(sampler):\n    return len(sampler)\n"
+        "def shape_of(t):\n    return t.shape\n"
+    )
+    found = _row_definitions({"x.py": own, "y.py": delegates})
+    assert found == ["x.py:1 batch_rows", "x.py:4 global_rows", "x.py:6 _rows"]
+
+
+# -- the step composed where the shell builds it (issue #53) -----------------------------------
+def _calls_named(source: str, name: str) -> list[int]:
+    """Lines of calls to ``name`` (``name(...)``, ``x.name(...)``) and imports of it."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called == name:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_shell_chains_the_step_transforms_not_make_train_step():
+    """``jaxcore.make_train_step`` is a convenience for users and the docs; the shell chains
+    ``row_grads``/``accumulate``/``unrolled``, ``train_step`` (hooks, guard), ``k_steps`` and
+    ``jit_step`` itself, each behaviour the presence of a transform, not a keyword switch."""
+    found = {
+        path: lines
+        for path, source in _sources("torchshell").items()
+        if (lines := _calls_named(source, "make_train_step"))
+    }
+    assert found == {}
+    assert _calls_named("import jaxcore\njaxcore.make_train_step(m, l, tx)\n", "make_train_step")
+    assert _calls_named("from jaxcore import make_train_step as mts\n", "make_train_step")
+
+
 # -- user hooks are dispatched, never set on an instance (issue #53) --------------------------
 def _lightning_hooks() -> set[str]:
     """The hooks Lightning calls on a ``LightningModule`` (its hook classes and its steps)."""

@@ -47,6 +47,7 @@ from torchshell.adapters._batches import (
     host_fields_out,
     name_batch,
     positional_keys,
+    refuse_no_rows,
     rows,
     signature,
 )
@@ -153,11 +154,11 @@ class Adapter:
     - ``last_step_values(module)``: in ``on_train_end``; ``None`` (``callback_metrics`` end
       with the last step's values).
 
-    ``steps`` (:class:`~torchshell.adapters.TrainSteps`: ``jaxcore.make_train_step``
-    of the model and loss; the port's is the user's manual optimization, when it has it):
+    ``steps`` (:class:`~torchshell.adapters.TrainSteps`: jaxcore's transforms chained over
+    the model and loss; the port's is the user's manual optimization, when it has it):
 
-    - ``make_train_step(module, micro, state, grad_scale, ragged)``: when a step is built; the
-      (uncompiled) ``jaxcore.Step``.
+    - ``build_train_step(module, micro, state, grad_scale, ragged)``: when a step is built;
+      the (uncompiled) ``jaxcore.Step``.
     - ``compile_train_step(module, micro, state, jbatch)``: on the first batch (beside the
       state's init) or after the step was dropped; ``None`` (``module.compiled.train`` set).
     - ``step_for(module, micro, jbatch)``: before each call; the compiled step to call.
@@ -232,6 +233,7 @@ class Adapter:
             self.unaligned, self.weigh_rows, self.supports_windows = True, False, False
         check_batch(self, named)  # negative lengths, misfit masks: refused like torch
         prepared = host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
+        refuse_no_rows(prepared)
         self.form = BatchForm.learn(batch, prepared, self.batch_keys)
         return prepared
 

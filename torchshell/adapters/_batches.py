@@ -22,6 +22,7 @@ import torch.utils._pytree as torch_pytree
 from flax.errors import FlaxError
 
 import bridge
+from bridge import rows  # (the one definition, re-exported for this package's modules)
 from jaxcore import BatchError
 
 Batch = Mapping[str, Any]
@@ -37,6 +38,7 @@ __all__ = [
     "host_fields_out",
     "name_batch",
     "positional_keys",
+    "refuse_no_rows",
     "rows",
     "signature",
 ]
@@ -100,16 +102,19 @@ def positional_keys(inputs: Sequence[int]) -> tuple[str, ...]:
     return (*("x" if i == 0 else f"x{i}" for i in range(last + 1)), "y")
 
 
-def rows(batch: Batch) -> int:
-    """The batch's rows (:func:`bridge.rows`), refusing a batch that has none.
+def refuse_no_rows(batch: Batch) -> None:
+    """Refuses a batch with no rows (:func:`bridge.rows`: no tensor with a batch dimension).
 
     Example:
         >>> import torch
-        >>> rows({"x": torch.ones(5, 2)})
-        5
+        >>> refuse_no_rows({"x": torch.ones(5, 2)})
+        >>> refuse_no_rows({"name": "a"})
+        Traceback (most recent call last):
+        ...
+        jaxcore._errors.BatchError: The batch has no tensor field with a batch dimension: ...
     """
-    if n := bridge.rows(batch):
-        return n
+    if bridge.rows(batch):
+        return
     raise BatchError(
         f"The batch has no tensor field with a batch dimension: {sorted(batch)}. Fix: "
         "return tensors from the Dataset and let the DataLoader collate them."

@@ -48,7 +48,7 @@ class Placement:
 
     def global_rows(self, n: int) -> int:
         """``n`` rounded up to the data axis: the rows of the padded batch."""
-        return -(-n // self.ways) * self.ways
+        return bridge.round_up(n, self.ways)
 
     def full_mask(self, n: int) -> jax.Array:
         """An all-true ``mask`` of ``n`` rows, made on device once (not handed over per step)."""

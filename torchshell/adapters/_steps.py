@@ -17,33 +17,41 @@ class TrainSteps:
     :class:`~torchshell.port._manual_parts.LightningSteps`). Each method is given the
     :class:`~torchshell.module.JaxModule` whose hooks call it."""
 
-    def make_train_step(
+    def build_train_step(
         self, module: Any, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
     ) -> jaxcore.Step:
-        """The train step for ``state`` (the state, or its abstract twin while it inits)."""
+        """The train step for ``state`` (the state, or its abstract twin while it inits),
+        chained from jaxcore's transforms: the rows' gradients, then the micro-batches (a
+        Lightning accumulation window of ``micro`` batches, stacked, or ``ragged``: batches
+        of other shapes, unrolled; else the module's ``accum_steps``), the gradient hooks (a
+        short window's ``grad_scale``, the adapter's own), the NaN guard, K steps per call."""
+        tx = module.optimizer()
+        sharding = jaxcore.state_shardings(state)
         window = module.flags.accumulate > 1
-        return jaxcore.make_train_step(
-            module.model_fns,
-            module.loss_fn,
-            module.optimizer(),
-            state_sharding=jaxcore.state_shardings(state),
-            batch_sharding=None,  # the arrays' own (placed by the bridge)
-            steps_per_call=1 if window else module.steps_per_call,
-            accum_steps=micro if window else module.accum_steps,
-            stacked_micro=window,
-            grad_scale=grad_scale,
-            compute_dtype=module._compute_dtype,
-            nan_policy=module.nan_policy,
-            weigh_rows=module.adapter.weigh_rows,
-            unrolled_micro=ragged,
-            per_micro=window and not module.adapter.weigh_rows,  # Lightning's per-batch self.log
-            grads_fn=module.adapter.hooks.grads_fn(module),
+        weigh = module.adapter.weigh_rows
+        per_micro = window and not weigh  # (Lightning's self.log of each accumulated batch)
+        grad_fn = jaxcore.row_grads(
+            module.model_fns, module.loss_fn, compute_dtype=module._compute_dtype, weigh_rows=weigh
         )
+        if ragged:
+            grad_fn = jaxcore.unrolled(grad_fn, per_micro=per_micro)
+        elif window:
+            grad_fn = jaxcore.accumulate(grad_fn, micro, stacked=True, per_micro=per_micro)
+        else:
+            grad_fn = jaxcore.accumulate(grad_fn, module.accum_steps)
+        hooks = [jaxcore.scale_grads(grad_scale)] if grad_scale != 1.0 else []
+        if (hook := module.adapter.hooks.grads_fn(module)) is not None:
+            hooks.append(hook)
+        step = jaxcore.train_step(grad_fn, tx, hooks=hooks, nan_policy=module.nan_policy)
+        k = 1 if window else module.steps_per_call
+        if k > 1:
+            step = jaxcore.k_steps(step, k)
+        return jaxcore.jit_step(step, state_sharding=sharding)  # (the batch: as placed)
 
     def compile_train_step(self, module: Any, micro: int, state: Any, jbatch: Any) -> None:
         """Builds and AOT-compiles the train step; its statistics are logged after the first
         call is dispatched (their cost analysis is not on the way to the first step)."""
-        module.compiled.train = step = self.make_train_step(module, micro, state)
+        module.compiled.train = step = self.build_train_step(module, micro, state)
         module.compiled.stats = step.compile(state, jbatch, dump_dir=module.hlo_dump_dir)
         module.compiled.stats_due = True
 
@@ -55,7 +63,7 @@ class TrainSteps:
         if m > 1 and (micro < m or ragged):
             short = module.compiled.short
             if (micro, ragged) not in short:
-                short[micro, ragged] = self.make_train_step(
+                short[micro, ragged] = self.build_train_step(
                     module, micro, module.state, grad_scale=micro / m, ragged=ragged
                 )
             return short[micro, ragged]  # type: ignore[no-any-return]

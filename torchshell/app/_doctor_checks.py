@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bridge import round_up
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 HEALTH_TIMEOUT_S = 3.0
 
@@ -35,10 +37,6 @@ class Check:
 def _fmt(t: Any) -> str:
     dtype = str(getattr(t, "dtype", type(t).__name__)).removeprefix("torch.")
     return f"{dtype}{list(getattr(t, 'shape', ()))}"
-
-
-def _rows(n: int, ways: int) -> int:
-    return -(-n // ways) * ways
 
 
 def _versions() -> Check:
@@ -225,9 +223,9 @@ def _sharding(cfg: Any, module: Any, abstract: Any) -> Check:
 def _shapes(n: int, batch: int, ways: int, drop_last: bool) -> set[int]:
     out = set()
     if n >= batch:
-        out.add(_rows(batch, ways))
+        out.add(round_up(batch, ways))
     if n % batch and not drop_last:
-        out.add(_rows(n % batch, ways))
+        out.add(round_up(n % batch, ways))
     return out
 
 
@@ -261,7 +259,7 @@ def _recompiles(data: Any, module: Any) -> list[Check]:
         if split == "train" and per_rows % ways:
             warn.append(
                 f"train batch {per_rows} is not a multiple of the data axis ({ways}): "
-                f"padded to {_rows(per_rows, ways)} rows every step (wasted compute). "
+                f"padded to {round_up(per_rows, ways)} rows every step (wasted compute). "
                 f"Fix: set data.batch_size to a multiple of {ways}"
             )
         count = len(shapes) * buckets

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 from omegaconf import DictConfig
 
+from bridge import round_up
 from torchshell.app._doctor_checks import (
     FAIL,
     OK,
@@ -41,7 +42,6 @@ from torchshell.app._doctor_checks import (
     _mesh,
     _model,
     _recompiles,
-    _rows,
     _sharding,
     _tracking,
     _transfer,
@@ -119,7 +119,7 @@ def run_checks(cfg: Config | DictConfig) -> list[Check]:
     batch = {name: t[:n] for name, t in batch.items()}
     checks.append(_sample_checks(batch, module, twin, list(cfg.model.inputs)))
     checks.append(_x64(batch))
-    transfer, jbatch = _transfer(batch, module, _rows(n, mesh.shape[module.data_axis]))
+    transfer, jbatch = _transfer(batch, module, round_up(n, mesh.shape[module.data_axis]))
     checks.append(transfer)
     if jbatch is None:
         return checks

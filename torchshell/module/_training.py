@@ -140,16 +140,16 @@ def run_window(module: JaxModule) -> dict[str, jax.Array]:
 
 
 def _window_step(module: JaxModule, k: int) -> jaxcore.Step:
-    """The K-step program of ``steps_per_call="auto"`` windows."""
+    """The K-step program of ``steps_per_call="auto"`` windows: the rows' gradients, the NaN
+    guard, K steps per call (jaxcore's transforms chained)."""
     assert module._state is not None
-    return jaxcore.make_train_step(
-        module.model_fns,
-        module.loss_fn,
-        module.optimizer(),
+    tx = module.optimizer()
+    dtype = module._compute_dtype
+    grad_fn = jaxcore.row_grads(module.model_fns, module.loss_fn, compute_dtype=dtype)
+    step = jaxcore.train_step(grad_fn, tx, nan_policy=module.nan_policy)
+    return jaxcore.jit_step(
+        jaxcore.k_steps(step, k) if k > 1 else step,
         state_sharding=jaxcore.state_shardings(module._state),
-        steps_per_call=k,
-        compute_dtype=module._compute_dtype,
-        nan_policy=module.nan_policy,
     )
 
 

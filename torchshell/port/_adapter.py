@@ -32,11 +32,10 @@ from torchshell.port._ckpt_part import LightningCheckpoint
 from torchshell.port._hooks import LightningHooks
 from torchshell.port._manual_parts import LightningSteps
 from torchshell.port._optim_part import LightningOptimizer
-from torchshell.port._rows import common_rows
 from torchshell.port._trace import LightningPort
 from torchshell.port._user import LightningEvaluation, LightningLogs
 
-__all__ = ["LightningAdapter", "common_rows"]
+__all__ = ["LightningAdapter"]
 
 
 class LightningAdapter(TorchAdapter):
@@ -83,13 +82,13 @@ class LightningAdapter(TorchAdapter):
     def global_rows(self, batch: Any) -> int:
         """Rows of a batch: its fields' common leading size, else Lightning's batch size (the
         first tensor's, in the batch's own order: e.g. a dict of several loaders' batches)."""
-        return common_rows(batch) or bridge.rows(batch)
+        return jaxcore.rows(batch, default=0) or bridge.rows(batch)
 
     def place(self, tree: Any, stacked: bool = False) -> Any:
         """``tree`` on the mesh: split over the data axis when it divides the rows, else
         whole on every device."""
         p = self.placement
-        n = common_rows(tree, 1 if stacked else 0)
+        n = jaxcore.rows(tree, 1 if stacked else 0, default=0)
         if n and n % p.ways == 0:
             sharding = p.window if stacked else p.batch
         else:  # rows the data axis does not divide: the whole batch on every device

@@ -120,11 +120,14 @@ class LightningSteps(TrainSteps):
         plan: ManualPlan = self.port.manual_plan
         return plan
 
-    def make_train_step(
+    def build_train_step(
         self, module: Any, micro: int, state: Any, grad_scale: float = 1.0, ragged: bool = False
     ) -> jaxcore.Step:
+        """The default step (:meth:`TrainSteps.build_train_step`) under automatic
+        optimization; under manual optimization, the user's ``training_step`` stepping the
+        mapped optimizers itself (:func:`~torchshell.port._manual.manual_step`)."""
         if not self.manual:
-            return super().make_train_step(module, micro, state, grad_scale, ragged)
+            return super().build_train_step(module, micro, state, grad_scale, ragged)
         self.check(module)
         return manual_step(
             self.port,

@@ -1,27 +1,24 @@
-"""The rows all of a user's batch fields share (the port's placement and ``batch_size``).
+"""The rows all of a user's batch fields share (the port's placement and ``batch_size``):
+``common_rows(tree, axis=0)`` is :func:`jaxcore.rows`, 0 where the arrays of ``tree`` do not
+share one size of ``axis``.
 
-Apart from :mod:`torchshell.port._adapter` so that the adapter's method groups
-(:mod:`torchshell.port._user`), which it owns, may use it without importing it back.
+A name for the adapter's method groups (:mod:`torchshell.port._user`) that import it; the
+definition is jaxcore's (``tests/test_layout.py``: one definition of rows).
+
+Example:
+    >>> import torch
+    >>> common_rows({"x": torch.ones(4, 2), "y": torch.ones(4)})
+    4
+    >>> common_rows([torch.ones(3), torch.ones(4)])
+    0
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
-import jax
+import jaxcore
 
 __all__ = ["common_rows"]
 
-
-def common_rows(tree: Any, axis: int = 0) -> int:
-    """The size of ``axis`` shared by every array of ``tree`` with one, else 0.
-
-    Example:
-        >>> import torch
-        >>> common_rows({"x": torch.ones(4, 2), "y": torch.ones(4)})
-        4
-        >>> common_rows([torch.ones(3), torch.ones(4)])
-        0
-    """
-    sizes = {t.shape[axis] for t in jax.tree.leaves(tree) if getattr(t, "ndim", 0) > axis}
-    return sizes.pop() if len(sizes) == 1 else 0
+common_rows = functools.partial(jaxcore.rows, default=0)
