@@ -179,7 +179,10 @@ class Adapter:
     ``hooks`` (:class:`~torchshell.adapters._hooks.ModuleHooks`: the module's own hooks alone;
     the port's runs the user's ``LightningModule`` hooks beside them):
 
-    - ``attach(module)``: at the end of ``JaxModule.__init__``; ``None``.
+    - ``attach(module)``: at the end of ``JaxModule.__init__``: builds ``table`` (the hooks
+      Lightning checks with ``is_overridden``, from ``entries(module)``); ``None``.
+    - ``run(module, name, *args, **kwargs)``: in each Lightning loop hook, after the module's
+      own part (the port: the user's hook); ``None``. Nothing is set on the module.
     - ``trainer_attached(module, trainer)``: when Lightning attaches the module; ``None``.
     - ``setup`` / ``teardown(module, stage)``: after / before the module's own; ``None``.
     - ``forward(module, *args, **kwargs)``: ``module(...)`` on the host; its outputs.
@@ -188,7 +191,6 @@ class Adapter:
     - ``wants_outputs(module)``: whether the model reads ``on_train_batch_end``'s outputs.
     - ``outputs_ahead(module, batch, i, raw)``: before each step; ``on_train_batch_end``'s
       outputs computed ahead of the step, or ``None``.
-    - ``train_batch_end(module)``: at the start of ``on_train_batch_end``; ``None``.
     - ``grads_fn(module)``: when a step is built; the step's gradient hook, or ``None``.
 
     Args:
