@@ -179,8 +179,7 @@ class Adapter:
     ``hooks`` (:class:`~torchshell.adapters._hooks.ModuleHooks`: the module's own hooks alone;
     the port's runs the user's ``LightningModule`` hooks beside them):
 
-    - ``attach(module)``: at the end of ``JaxModule.__init__``: builds ``table`` (the hooks
-      Lightning checks with ``is_overridden``, from ``entries(module)``); ``None``.
+    - ``attach(module)``: at the end of ``JaxModule.__init__``: the hook ``table``; ``None``.
     - ``run(module, name, *args, **kwargs)``: in each Lightning loop hook, after the module's
       own part (the port: the user's hook); ``None``. Nothing is set on the module.
     - ``trainer_attached(module, trainer)``: when Lightning attaches the module; ``None``.
