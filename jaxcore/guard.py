@@ -293,12 +293,36 @@ def raise_failed(check: Any, where: str) -> None:
         raise BatchError(_check_message(code, value, where))
 
 
-def guarded(ok: jax.Array, update: Callable[[], PyTree], old: PyTree) -> PyTree:
+def _accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def guarded(
+    ok: jax.Array, update: Callable[[], PyTree], old: PyTree, *, per_leaf: bool | None = None
+) -> PyTree:
     """``update()`` where ``ok`` else ``old``, with no host sync.
 
-    A ``lax.cond``: the update runs only on an accepted step and nothing is selected leaf by
-    leaf (on CPU a select per leaf cost ~13% of a small MLP step; the cond costs ~3%).
+    On CPU a ``lax.cond``: the update runs only on an accepted step (there a select per leaf
+    cost ~13% of a small MLP step, the cond ~3%). On an accelerator a select per leaf, which
+    XLA fuses into the optimizer's update: a cond kept AdamW's update out of the
+    weight-gradient fusions, ~10% of a GPT-2 small step on a TPU v5e (the update and the
+    cond's own copies: 5 + 5 ms of 101, ``benchmarks/tpu_profile.py gpt-j``).
+
+    Args:
+        ok: a boolean scalar.
+        update: computes the new pytree.
+        old: the pytree kept when ``ok`` is false.
+        per_leaf: select leaf by leaf (default: on any backend but CPU).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> guarded(jnp.bool_(False), lambda: jnp.ones(2), jnp.zeros(2), per_leaf=True)
+        Array([0., 0.], dtype=float32)
     """
+    if per_leaf is None:
+        per_leaf = _accelerator()
+    if per_leaf:
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), update(), old)
     return jax.lax.cond(ok, update, lambda: old)
 
 

@@ -86,7 +86,9 @@ def _good_steps(n, init):
     return jax.device_get(state.params)
 
 
-def test_nan_guard_skip_does_not_apply_the_bad_update(init16):
+@pytest.mark.parametrize("per_leaf", [False, True], ids=["cond (CPU)", "select (accelerators)"])
+def test_nan_guard_skip_does_not_apply_the_bad_update(init16, per_leaf, monkeypatch):
+    monkeypatch.setattr(jaxcore.guard, "_accelerator", lambda: per_leaf)
     state, metrics = _nan_run("skip", init16)
     np.testing.assert_array_equal(metrics["nonfinite"], [0.0, 1.0, 0.0])
     assert np.isnan(metrics["loss"][1]) and np.isfinite(metrics["loss"][[0, 2]]).all()
@@ -100,7 +102,9 @@ def test_nan_guard_skip_does_not_apply_the_bad_update(init16):
     assert err.value.step == 1
 
 
-def test_nan_guard_stop_keeps_the_last_good_state(init16):
+@pytest.mark.parametrize("per_leaf", [False, True], ids=["cond (CPU)", "select (accelerators)"])
+def test_nan_guard_stop_keeps_the_last_good_state(init16, per_leaf, monkeypatch):
+    monkeypatch.setattr(jaxcore.guard, "_accelerator", lambda: per_leaf)
     state, metrics = _nan_run("stop", init16)
     np.testing.assert_array_equal(metrics["nonfinite"], [0.0, 1.0, 1.0])  # halted after it
     assert int(state.nonfinite_step) == 1
