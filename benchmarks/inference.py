@@ -145,6 +145,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50, help="batch-64 calls per path")
     parser.add_argument("--tiny", action="store_true", help="smoke run: few calls")
     parser.add_argument("--no-serve", action="store_true", help="skip mlflow models serve")
+    parser.add_argument(
+        "--serve-only", action="store_true", help="only mlflow models serve, before and after"
+    )
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -154,17 +157,23 @@ def main() -> None:
         args.requests, args.calls = 5, 2
     tmp = Path(tempfile.mkdtemp(prefix="coreshell-inference-"))
     model, params, twin = build()
-    backend = "eager" if args.tiny else "inductor"
-    paths: dict[str, Fn] = {
-        "JAX core (jax.jit)": jax_core(model, params),
-        "torch twin, eager": torch_fn(twin),
-        f"torch twin, torch.compile ({backend})": torch_fn(torch.compile(twin, backend=backend)),
-        "pt2 program (torch.export, as MLflow serves it)": pt2_fn(twin, tmp),
-        "ONNX Runtime (CPU)": onnx_fn(twin, tmp),
-    }
-    check = _inputs(5, seed=7)
-    want = paths["JAX core (jax.jit)"](*check)
     rows: list[Row] = []
+    paths: dict[str, Fn] = {}
+    if args.serve_only:
+        args.no_serve = False
+    else:
+        backend = "eager" if args.tiny else "inductor"
+        paths = {
+            "JAX core (jax.jit)": jax_core(model, params),
+            "torch twin, eager": torch_fn(twin),
+            f"torch twin, torch.compile ({backend})": torch_fn(
+                torch.compile(twin, backend=backend)
+            ),
+            "pt2 program (torch.export, as MLflow serves it)": pt2_fn(twin, tmp),
+            "ONNX Runtime (CPU)": onnx_fn(twin, tmp),
+        }
+    check = _inputs(5, seed=7)
+    want = jax_core(model, params)(*check)
     for name, fn in paths.items():
         diff = float(np.max(np.abs(fn(*check) - want)))
         if diff > ATOL:

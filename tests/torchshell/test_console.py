@@ -1,17 +1,27 @@
 """Issue #54: the console keeps the README's promise ("one config line, the parameter table,
 one progress bar and the end summary") on the README's commands: a short `coreshell train`,
-`train resume=last`, `export RUN --format onnx`; and the lines that were extra before (each
-dropped at its source: torchshell/app/quiet.py)."""
+`train resume=last`, `export RUN --format onnx`, a multirun (`-m`), `predict` and `serve`'s
+start; and the lines that were extra before (each dropped at its source:
+torchshell/app/quiet.py)."""
 
 from __future__ import annotations
 
 import io
 import logging
+import os
 import re
+import signal
+import socket
+import subprocess
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
-from tests.helpers import run_cli_forked
+import numpy as np
+import pytest
+
+from tests.helpers import CLI, run_cli_forked, user_env
 from torchshell.app import launch, quiet
 
 PROMISED = re.compile(
@@ -28,6 +38,9 @@ PROMISED = re.compile(
             r"^  compile cache ",
             r"^wrote \S+ \(onnx, \d+ tensors\)$",  # `coreshell export`
             r"^  onnxruntime vs torch: max abs diff ",
+            r"^predict\s.*\d+/\d+",  # `coreshell predict`: its bar (stderr)
+            r'^\{"file": ',  # its JSON lines (stdout)
+            r"^coreshell predict: \d+ of \d+ files failed$",
         ]
     )
 )
@@ -148,3 +161,86 @@ def test_lightnings_model_summary_gives_way_to_coreshells_table(capsys):
     assert "Spy" in seen and not [n for n in seen if "ModelSummary" in n], seen
     assert any(isinstance(c, ModelSummary) for c in trainer.callbacks)  # given back after
     assert "JAX params on mesh {'data': 1, 'model': 1}:" in capsys.readouterr().out
+
+
+def test_a_multirun_prints_one_config_line_per_job_and_no_hydra_or_lightning_lines(
+    tmp_path: Path,
+):
+    """Before: Hydra's `Launching 2 jobs locally` and `#N : <every override>`, and in the
+    second job Lightning's device report, litlogger tip and max_steps stop (the shared
+    rank-zero logger renamed `pytorch_lightning...` once the first job imported
+    mlflow.pytorch): 6 extra lines for two jobs. Now the job is in the config line."""
+    sweep = [*SMALL, "trainer.max_steps=10", "optim.lr=1e-3,3e-3", "hydra.sweep.dir=sweep"]
+    (proc,) = run_cli_forked([(tmp_path, ["train", "-m", *sweep])], tmp_path / "forked")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _extra(proc.stdout + "\n" + proc.stderr) == []
+    lines = re.findall(r"(?m)^coreshell train: .*$", proc.stdout)
+    assert [line.rsplit(", ", 1)[-1] for line in lines] == [
+        "sweep job #0 in sweep/0",
+        "sweep job #1 in sweep/1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny served model (the JAX core) and a folder of clips, one too short."""
+    import soundfile as sf
+    import torch
+
+    from torchshell.app.served import save_waveform_model
+    from torchshell.twins.spoken_digits import SpokenDigitsEncoder
+
+    torch.manual_seed(0)
+    tmp = tmp_path_factory.mktemp("console-served")
+    serving = SpokenDigitsEncoder(width=16, depth=1, heads=2, dropout=0.0).serving()
+    save_waveform_model(serving, tmp / "model")
+    (tmp / "clips").mkdir()
+    rng = np.random.default_rng(0)
+    for name, n in [("a", 16_000), ("b", 8_000), ("short", 100)]:
+        sf.write(tmp / "clips" / f"{name}.wav", 0.1 * rng.standard_normal(n), 16_000)
+    return tmp
+
+
+def test_predict_prints_a_json_line_per_file_its_bar_and_a_failure_count(served: Path):
+    (proc,) = run_cli_forked([(served, ["predict", "model", "clips"])], served / "forked")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the short clip
+    assert _extra(proc.stdout + "\n" + proc.stderr) == []
+    assert len(proc.stdout.splitlines()) == 3
+    assert "coreshell predict: 1 of 3 files failed" in proc.stderr
+
+
+def test_serve_prints_one_line_when_it_answers_then_only_the_requests(served: Path):
+    """Before: coreshell's line before the server was up, MLflow's `Downloading artifacts`
+    bar and two INFO lines (backend, the uvicorn command), uvicorn's four start lines and
+    four stop lines. Its access log (the requests) and warnings stay."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        k: v for k, v in user_env().items() if k not in ("CORESHELL_VERBOSE", "HYDRA_FULL_ERROR")
+    }
+    cmd = [*CLI, "serve", "model", "--port", str(port)]
+    cmd += ["--tracking-uri", f"sqlite:///{served}/mlflow.db"]
+    proc = subprocess.Popen(
+        cmd, cwd=served, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the server never answered /ping"
+                time.sleep(0.5)
+        time.sleep(1.0)  # (coreshell's own probe sees the port within its 0.5 s)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert err.splitlines() == [
+        f"coreshell serve: model answering at http://127.0.0.1:{port}/invocations (Ctrl-C stops)"
+    ], err[-3000:]
+    assert re.fullmatch(r'INFO: +127\.0\.0\.1:\d+ - "GET /ping HTTP/1\.1" 200 OK\n', out), out

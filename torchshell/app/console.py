@@ -106,8 +106,27 @@ def config_line(cfg: Config, run: Prepared, resume: str | None = None) -> None:
         f"coreshell train: {recipe} ({data}, {_way_in(cfg)}), batch "
         f"{cfg.data.get('batch_size')}, {cfg.optim.name} lr {human(cfg.optim.lr)}, "
         f"{mesh_words(cfg, run.devices, jax.devices()[0].platform)}, {length}, "
-        f"{precision_name(cfg)}, {cache}{resumed}"
+        f"{precision_name(cfg)}, {cache}{resumed}{sweep_job()}"
     )
+
+
+def sweep_job() -> str:
+    """``, sweep job #N in FOLDER`` in a job of a Hydra multirun (``-m``), else ``""``: Hydra's
+    launcher lines (``Launching N jobs locally``, ``#N : every override``) are folded here.
+
+    Example:
+        >>> sweep_job()  # not in a multirun
+        ''
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    hydra = HydraConfig.get()
+    folder = os.path.relpath(hydra.runtime.output_dir)
+    folder = folder if not folder.startswith("..") else hydra.runtime.output_dir
+    return f", sweep job #{hydra.job.num} in {folder}"
 
 
 def precision_name(cfg: Config) -> str:

@@ -14,6 +14,13 @@ import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+# Lightning's rank-zero INFO lines that are not a coreshell user's (see _LOG_LINES)
+_LIGHTNING_INFO = (
+    r"^(GPU|TPU|HPU) available: |^💡 Tip: |^`Trainer\.fit` stopped: `max_steps="
+    r"|^Restor(ing|ed all) states from the checkpoint"
+)
 
 # (logger, message pattern, why it is noise for a coreshell user)
 _LOG_LINES = [
@@ -29,14 +36,30 @@ _LOG_LINES = [
         "jaxcore.enable_compile_cache resets JAX's cache object on purpose; the cache's "
         "hits and misses are in the end summary.",
     ),
+    *[
+        (
+            name,
+            _LIGHTNING_INFO,
+            "Lightning runs on one CPU process by design (JAX owns the devices), so its device "
+            "report is always 'not used'; the litlogger advert; the stop at max_steps is what "
+            "the progress bar shows; the checkpoint a resumed run restores is in the config "
+            "line (Lightning said it twice: through its own handler and Hydra's). Both names: "
+            "Lightning's rank-zero logger is one object shared by `lightning` and the "
+            "standalone `pytorch_lightning`, named by whichever was imported last "
+            "(`mlflow.pytorch` imports `pytorch_lightning` when a run logs its model: the "
+            "second job of a sweep printed these lines under that name).",
+        )
+        for name in (
+            "lightning.pytorch.utilities.rank_zero",
+            "pytorch_lightning.utilities.rank_zero",
+        )
+    ],
     (
-        "lightning.pytorch.utilities.rank_zero",
-        r"^(GPU|TPU|HPU) available: |^💡 Tip: |^`Trainer\.fit` stopped: `max_steps="
-        r"|^Restor(ing|ed all) states from the checkpoint",
-        "Lightning runs on one CPU process by design (JAX owns the devices), so its device "
-        "report is always 'not used'; the litlogger advert; the stop at max_steps is what "
-        "the progress bar shows; the checkpoint a resumed run restores is in the config line "
-        "(Lightning said it twice: through its own handler and Hydra's).",
+        "hydra._internal.core_plugins.basic_launcher",
+        r"^Launching \d+ jobs locally$|^\t#\d+ : ",
+        "Hydra's multirun names each job and all its overrides before it starts; the config "
+        "line says `sweep job #N` and the job's folder, and the run's name its overrides "
+        "that differ from the defaults.",
     ),
     (
         "torch.onnx._internal.exporter._schemas",
@@ -189,3 +212,37 @@ def torch_export_notes() -> Iterator[None]:
             "ignore", message=r"The given buffer is not writable", category=UserWarning
         )
         yield
+
+
+def server_env(work: Path) -> dict[str, str]:
+    """The environment of ``mlflow models serve`` that keeps its console to what a user of
+    the server reads: the requests (uvicorn's access log) and every warning and error.
+
+    Folded (``--verbose`` keeps them): MLflow's ``Downloading artifacts`` bar (a local copy of
+    the model's files) and its INFO narration (``Selected backend for flavor``, ``=== Running
+    command 'exec uvicorn ...'``); uvicorn's start and stop narration (``Started server
+    process``, ``Waiting for application startup.``, ``Application startup complete.``,
+    ``Uvicorn running on ...``, and the four lines of its shutdown): coreshell's one line says
+    when the server answers. uvicorn's own logging config, levels changed, written in ``work``.
+
+    Example:
+        >>> import tempfile; from pathlib import Path
+        >>> env = server_env(Path(tempfile.mkdtemp()))
+        >>> sorted(env)
+        ['MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR', 'MLFLOW_LOGGING_LEVEL', 'UVICORN_LOG_CONFIG']
+    """
+    import copy
+    import json
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["uvicorn"]["level"] = "WARNING"
+    config["loggers"]["uvicorn.error"]["level"] = "WARNING"  # its start/stop narration is INFO
+    path = work / "uvicorn-logging.json"
+    path.write_text(json.dumps(config))
+    return {
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
+        "UVICORN_LOG_CONFIG": str(path),
+    }

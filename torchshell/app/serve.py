@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from torchshell._errors import ConfigError
-from torchshell.app.stopping import run_whole, stop_signals
+from torchshell.app import quiet
+from torchshell.app.stopping import announce, run_whole, stop_signals
 
 FRAME_STEP = 64  # features are padded to a multiple of this many frames: few compiled shapes
 STUB_PACKAGES = ("numpy<2", "pyzmq")
@@ -279,7 +280,6 @@ def model_uri(source: str, tracking_uri: str, work: Path) -> str:
         >>> model_uri("runs:/abc/model", "sqlite:///mlflow.db", Path("."))
         'runs:/abc/model'
     """
-    from torchshell.app import quiet
     from torchshell.app.export_cli import load_twin, resolve_source
 
     path = Path(source)
@@ -359,7 +359,12 @@ def _serve(args: argparse.Namespace) -> int:
         env = {**os.environ, "MLFLOW_TRACKING_URI": args.tracking_uri}
         # MLflow execs `uvicorn` through the shell: this environment's scripts first on PATH
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        print(
-            f"coreshell serve: {uri} at http://{args.host}:{args.port}/invocations", file=sys.stderr
+        if not quiet.verbose():
+            env.update(quiet.server_env(Path(work)))
+        url = f"http://{args.host}:{args.port}"
+        announce(
+            args.host,
+            args.port,
+            f"coreshell serve: {uri} answering at {url}/invocations (Ctrl-C stops)",
         )
         return run_whole(cmd, env)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -73,3 +74,29 @@ def run_whole(cmd: list[str], env: dict[str, str]) -> int:
         return 0
     finally:
         stop_group(proc)
+
+
+def announce(host: str, port: int, line: str, every: float = 0.5) -> threading.Thread:
+    """Prints ``line`` on stderr once ``host:port`` accepts a connection (the server listens
+    once its app has started), from a daemon thread that ends with the first connection or
+    with coreshell. A bare connection, not a request: the server's access log stays the
+    user's requests.
+
+    Example:
+        >>> announce("127.0.0.1", 9, "never printed", every=0.01).daemon
+        True
+    """
+    import socket
+
+    def wait() -> None:
+        while True:
+            with socket.socket() as probe:
+                probe.settimeout(2.0)
+                if probe.connect_ex((host, port)) == 0:
+                    print(line, file=sys.stderr, flush=True)
+                    return
+            time.sleep(every)
+
+    thread = threading.Thread(target=wait, name="coreshell-serve-announce", daemon=True)
+    thread.start()
+    return thread
