@@ -19,6 +19,7 @@ from torchshell.trace._adaptive_softmax import adaptive_softmax_fixed_shape
 from torchshell.trace._attention import mha_forward, sdpa
 from torchshell.trace._autocast import user_autocast
 from torchshell.trace._autograd_fn import custom_backwards
+from torchshell.trace._cholesky import cholesky_lowerings
 from torchshell.trace._conv import conv_lowerings
 from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
 from torchshell.trace._cumulative_bn import cumulative_batch_norm
@@ -46,8 +47,11 @@ from torchshell.trace._ops import install_ops
 from torchshell.trace._packed import packed_as_masks
 from torchshell.trace._reads import Reads, scalar_reads
 from torchshell.trace._rnnt import rnnt_loss_forward
+from torchshell.trace._scatter_reduce import scatter_reduce_lowerings
 from torchshell.trace._special import special_lowerings
+from torchshell.trace._symmetric import symmetric_lowerings
 from torchshell.trace._targets import casts_to_long, class_index_checked
+from torchshell.trace._unpool import unpool_lowerings
 
 _BATCH_NORM_OPS = (
     "native_batch_norm",
@@ -99,6 +103,10 @@ def environment(reads: Reads) -> Any:
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
         **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
         **special_lowerings(),  # polygamma, digamma's gradient, log_ndtr, _safe_softmax, lstsq
+        **cholesky_lowerings(),  # cholesky(_ex), cholesky_solve: torch's gradients
+        **unpool_lowerings(),  # max_unpool1d/2d/3d: one scatter, torch's gradient (a gather)
+        **symmetric_lowerings(),  # eigh/eigvalsh/pinv(hermitian): one triangle, as torch
+        **scatter_reduce_lowerings(),  # (torch's gradient: prod, ties of amax/amin)
     }
     with_env = {
         # torch.distributions' samplers (Beta(a, a).sample(): mixup) draw from the trace's key

@@ -107,11 +107,18 @@ def _write(dispatch: Callable[..., Any], types: Any, outs: list[Any], values: li
             dispatch(torch.ops.aten.copy_.default, types, (out, value), {})
 
 
-def _takes(args: Any) -> bool:
-    """Whether a function's arguments hold a tensor (not a factory: ``torch.linspace``)."""
+# factories with ``out=``: torchax refused ``torch.linspace(0, 1, 5, out=o)`` / ``logspace``
+# ("device type jax does not match device type of out parameter (meta)", a wrong fix) and
+# resized a one-element ``out`` of another shape (``arange(0, 1, out=o)`` of a 0-d ``o``)
+_FACTORIES = (torch.linspace, torch.logspace, torch.arange)
+
+
+def _takes(func: Any, args: Any) -> bool:
+    """Whether a function's arguments hold a tensor (not a factory: torchax writes their
+    ``out=``, ``torch.zeros(2, out=o)``), or it is one of :data:`_FACTORIES`."""
     from torch.utils import _pytree as pytree
 
-    return any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args))
+    return func in _FACTORIES or any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args))
 
 
 def _function_out(
@@ -126,10 +133,14 @@ def _function_out(
 
     out = kwargs["out"]
     rest = {k: v for k, v in kwargs.items() if k != "out"}
+    if func in _FACTORIES and rest.get("dtype") is None:  # (torch: out's dtype)
+        rest["dtype"] = out.dtype
     try:
         value = dispatch(func, types, args, rest)
     except OperatorNotFound:  # (not lowered as a function: torch's own, as torchax runs it)
         value = func(*args, **rest)
+    if func in _FACTORIES and math.prod(out.shape) == math.prod(value.shape):
+        value = value.reshape(out.shape)  # (torch resizes out only to another size)
     _write(dispatch, types, [out], [value])
     return out
 
@@ -189,7 +200,8 @@ def written_through_views(env: Any) -> Callable[..., Any]:
             return _broadcast_copy(dispatch, types, args, kwargs)
         if kwargs and _functional(func) is not None:
             return _written_out(dispatch, func, types, args, kwargs)
-        if kwargs and kwargs.get("out") is not None and _overload(func) is None and _takes(args):
+        out = kwargs.get("out") if kwargs else None
+        if out is not None and _overload(func) is None and _takes(func, args):
             return _function_out(dispatch, func, types, args, kwargs)
         if not (args and _mutates_self(func)):
             return dispatch(func, types, args, kwargs)
