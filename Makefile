@@ -41,3 +41,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxcore bridge torchshell tests benchmarks
 	$(VENV)/bin/ruff format --check jaxcore bridge torchshell tests benchmarks
 	$(VENV)/bin/mypy
+
+# torch's whole op database through the trace (values and gradients; ~15 min of CPU): rewrites
+# the table in docs/torch_model.md; `make opinfo ARGS="--ops polygamma,linalg.lstsq"` reruns rows
+.PHONY: opinfo
+opinfo: $(STAMP)
+	nice -n 10 $(PY) -m tests.torchshell.opinfo_sweep $(ARGS)

@@ -1,29 +1,22 @@
 """torch's own op database (``op_db``) through the trace: a fixed, representative share.
 
-Each op's first two samples with non-empty tensors become a module whose differentiable
-tensors are parameters (the other tensors batch fields: int64 ones reach the step as int32,
-as coreshell hands them over) and whose loss is ``(out * w).sum()`` with a fixed ``w``. The
-traced loss and every gradient (``torch_model_fns`` + ``jax.value_and_grad``, what the
-train step differentiates) must equal torch eager's (float32, rtol 1e-4, atol 1e-5), or the
-trace must refuse with coreshell's message (``TorchModelError``). Never silently different
-(issue #52; docs/torch_model.md). The ops include each one the whole database once found
-silently different.
+Each op's first two samples with non-empty tensors run through the trace as
+:mod:`tests.torchshell.opinfo_harness` runs them (values and gradients against torch eager,
+float32, rtol 1e-4, atol 1e-5): each must be equal, or refused with coreshell's message
+(``TorchModelError``), or, for an op that draws, vary with the step's key. Never silently
+different (issue #52; docs/torch_model.md). The ops include each one the whole database once
+found silently different; the whole database is ``make opinfo``
+(``tests/torchshell/opinfo_sweep.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
-from torch import nn
-from torch.utils import _pytree as pytree
 
-from torchshell._errors import TorchModelError
-from torchshell.torch_model import torch_model_fns
+from tests.torchshell.opinfo_harness import PASSING, compare, draws, in_scope, samples
+from tests.torchshell.opinfo_sweep import DOC
+from tests.torchshell.opinfo_table import block, parse, render
 
 pytest.importorskip("expecttest")  # (torch's op database imports it)
 from torch.testing._internal.common_methods_invocations import op_db
@@ -38,6 +31,10 @@ OPS = [
     ("native_batch_norm", ""),
     ("_native_batch_norm_legit", ""),
     ("take_along_dim", ""),
+    ("cholesky", ""),  # (torch's symmetric gradient: trace/_cholesky.py)
+    ("linalg.cholesky", ""),
+    ("cholesky_solve", ""),  # (the factor's gradient over the whole matrix)
+    ("nn.functional.max_unpool2d", ""),  # (repeated indices: each input gets its gradient)
     ("mvlgamma", "mvlgamma_p_3"),
     ("index_add", ""),
     ("index_copy", ""),
@@ -67,86 +64,6 @@ OPS = [
 ]
 
 
-class _Sample(nn.Module):
-    """``op(input, *args, **kwargs)`` with the differentiable tensors as parameters."""
-
-    def __init__(self, op: Any, leaves: list[Any], spec: Any, grad: list[int]) -> None:
-        super().__init__()
-        self.op, self.leaves, self.spec, self.grad = op, leaves, spec, grad
-        self.ps = nn.ParameterList([nn.Parameter(leaves[i].detach().clone()) for i in grad])
-
-    def forward(self, *fields: torch.Tensor) -> list[torch.Tensor]:
-        given, params = iter(fields), iter(self.ps)
-        leaves = [
-            next(params)
-            if i in self.grad
-            else (next(given) if isinstance(leaf, torch.Tensor) else leaf)
-            for i, leaf in enumerate(self.leaves)
-        ]
-        x, args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        out = self.op(x, *args, **kwargs)
-        outs = out if isinstance(out, tuple | list) else [out]  # (the first: the values)
-        return [o for o in outs[:1] if isinstance(o, torch.Tensor) and o.is_floating_point()]
-
-
-def _samples(op: Any) -> list[Any]:
-    found = []
-    for sample in op.sample_inputs("cpu", torch.float32, requires_grad=True):
-        tensors = [t for t in pytree.tree_leaves((sample.input, sample.args, sample.kwargs))]
-        if all(t.numel() > 0 for t in tensors if isinstance(t, torch.Tensor)):
-            found.append(sample)
-        if len(found) == 2:
-            return found
-    return found
-
-
-def _compare(op: Any, sample: Any) -> str | None:
-    """None where the trace equals torch or refuses with coreshell's message; else what
-    differs."""
-    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
-    grad = [
-        i
-        for i, t in enumerate(leaves)
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-    ]
-    net = _Sample(op, leaves, spec, grad)
-    fields = [
-        t.detach() for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and i not in grad
-    ]
-    outs = net(*fields)
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.rand(o.shape, generator=g) + 0.5 for o in outs]
-    loss = sum((o * w).sum() for o, w in zip(outs, ws, strict=True))
-    want = torch.autograd.grad(loss, list(net.ps), allow_unused=True) if net.ps else ()
-    names = tuple(f"f{i}" for i in range(len(fields)))
-    try:
-        fns = torch_model_fns(net, names)
-        batch = {n: jnp.asarray(t.numpy()) for n, t in zip(names, fields, strict=True)}
-        params = {f"ps.{i}": jnp.asarray(p.detach().numpy()) for i, p in enumerate(net.ps)}
-        state: dict[str, jax.Array] = {}  # (no buffers: init, another trace, is not needed)
-
-        def traced(p: dict[str, jax.Array]) -> jax.Array:
-            got = fns.apply(p, state, batch, jax.random.key(0), True)[0]
-            return sum((o * jnp.asarray(w.numpy())).sum() for o, w in zip(got, ws, strict=True))
-
-        value, grads = jax.value_and_grad(traced)(params)
-    except TorchModelError:
-        return None  # refused with coreshell's message
-    wrong = []
-
-    def close(a: Any, b: Any) -> bool:
-        return bool(np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
-
-    if not close(float(value), float(loss)):
-        wrong.append(f"loss {float(value)} != {float(loss)}")
-    for i, w in enumerate(want):
-        w_ = np.zeros(net.ps[i].shape) if w is None else w.numpy()
-        got = np.asarray(grads[f"ps.{i}"])
-        if got.shape != w_.shape or not close(got, w_):
-            wrong.append(f"gradient of input {grad[i]}: {got.ravel()[:4]} != {w_.ravel()[:4]}")
-    return "; ".join(wrong) or None
-
-
 @pytest.mark.filterwarnings("ignore")  # (torch's samples and JAX's x64-off casts warn)
 def test_op_database_share_is_never_silently_different() -> None:
     by_name = {(op.name, op.variant_test_name): op for op in op_db}
@@ -155,8 +72,30 @@ def test_op_database_share_is_never_silently_different() -> None:
     wrong = []
     for key in OPS:
         op = by_name[key]
-        for k, sample in enumerate(_samples(op)):
-            found = _compare(op.op, sample)
-            if found:
+        for k, sample in enumerate(samples(op)):
+            found = compare(op, sample, random=draws(op))
+            if found.kind not in PASSING:
                 wrong.append(f"{'.'.join(filter(None, key))} sample {k}: {found}")
     assert not wrong, "silently different from torch:\n" + "\n".join(wrong)
+
+
+def test_op_table_in_the_docs_is_the_sweeps_and_lists_every_op() -> None:
+    """docs/torch_model.md's op table is in the sweep's format (rendering its own rows gives
+    it back, totals included) and lists every op of this torch's ``op_db``, swept where the
+    op supports float32 autograd on CPU: a torch upgrade that adds ops shows here."""
+    generated = block(DOC.read_text())
+    rows, version = parse(generated)
+    assert render(rows, version) == generated, (
+        "docs/torch_model.md's op table is not in the format of tests/torchshell/"
+        "opinfo_table.py: regenerate it with `make opinfo`"
+    )
+    listed = [r.key for r in rows]
+    assert len(set(listed)) == len(listed), "an op is listed twice"
+    scope = {(op.name, op.variant_test_name): in_scope(op) for op in op_db}
+    fix = f"run `make opinfo` under this torch ({torch.__version__}) and commit the table"
+    assert version == torch.__version__.split("+")[0], f"the table is of torch {version}: {fix}"
+    missing, extra = sorted(scope.keys() - set(listed)), sorted(set(listed) - scope.keys())
+    assert not missing, f"not in the table: {missing[:10]} ({len(missing)}): {fix}"
+    assert not extra, f"no longer in op_db: {extra[:10]} ({len(extra)}): {fix}"
+    unswept = [r.key for r in rows if (r.status == "not swept") == scope[r.key]]
+    assert not unswept, f"swept or not, not as op_db says now: {unswept[:10]}: {fix}"
