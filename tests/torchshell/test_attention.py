@@ -342,3 +342,67 @@ def test_from_torch_multihead_attention_trains_step_for_step_with_torch_sgd(
         np.testing.assert_allclose(
             np.asarray(state.params[name]), p.numpy(), rtol=1e-4, atol=1e-6, err_msg=name
         )
+
+
+class Unmasked(nn.Module):
+    """``nn.MultiheadAttention`` with no mask and no weights: self- or cross-attention, or a
+    whole ``nn.TransformerEncoderLayer``."""
+
+    def __init__(self, kind: str, bias: bool = True, batch_first: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.mha = nn.MultiheadAttention(16, 4, bias=bias, batch_first=batch_first)
+        self.layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        if bias:
+            with torch.no_grad():
+                self.mha.in_proj_bias.normal_()
+                self.mha.out_proj.bias.normal_()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.kind == "encoder_layer":
+            return self.layer(x)
+        kv = y if self.kind == "cross" else x
+        return self.mha(x, kv, kv, need_weights=False)[0]
+
+
+@pytest.mark.parametrize(
+    ("kind", "bias", "batch_first"),
+    [
+        ("self", True, True),
+        ("self", True, False),
+        ("self", False, True),
+        ("cross", True, True),
+        ("encoder_layer", True, True),
+    ],
+)
+def test_unmasked_attention_goes_straight_to_the_fused_call_and_equals_torch(
+    kind: str,
+    bias: bool,
+    batch_first: bool,
+    fused_calls: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchshell.trace import _attention
+
+    through_torch: list[int] = []
+    real = _attention._F_MHA
+    monkeypatch.setattr(_attention, "_F_MHA", lambda **kw: through_torch.append(1) or real(**kw))
+    g = torch.Generator().manual_seed(2)
+    inputs = {"x": torch.randn(3, 7, 16, generator=g), "y": torch.randn(3, 5, 16, generator=g)}
+    module = Unmasked(kind, bias, batch_first)
+    f, params, batch = _lowered(module, inputs, train=True)
+    fused_calls.clear()
+    out = f(params, batch)
+    assert fused_calls == ["xla"] and through_torch == []  # torch's function not run
+    ref = module(*inputs.values())
+    np.testing.assert_allclose(np.asarray(out), ref.detach().numpy(), atol=1e-5)
+    w = _weights(tuple(ref.shape))
+    module.zero_grad()
+    (ref * w).sum().backward()
+    grads = jax.grad(lambda p: jnp.sum(f(p, batch) * _jax(w)))(params)
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            np.testing.assert_allclose(
+                np.asarray(grads[name]), p.grad.numpy(), atol=1e-5, rtol=1e-4, err_msg=name
+            )
