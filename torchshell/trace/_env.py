@@ -41,6 +41,7 @@ from torchshell.trace._lowerings import (
     window,
 )
 from torchshell.trace._module_hooks import backward_hooks_refused
+from torchshell.trace._nll import nll_lowerings
 from torchshell.trace._no_grad import stopped_in_no_grad, user_no_grad_regions
 from torchshell.trace._norms import norm_lowerings
 from torchshell.trace._ops import install_ops
@@ -100,6 +101,7 @@ def environment(reads: Reads) -> Any:
         **_torchaudio_lowerings(),
         **embedding_bag_lowerings(),  # EmbeddingBag(text, offsets): traced offsets
         **conv_lowerings(),  # convolutions XLA:CPU runs slowly: patches + one matmul
+        **nll_lowerings(),  # nll_loss (cross_entropy): a one-hot select, not a gather
         **kink_lowerings(),  # clamp, hardtanh/relu6, abs...: torch's gradient at the kinks
         **norm_lowerings(),  # norms, distances, std: torch's gradient (0) at a zero vector
         **special_lowerings(),  # polygamma, digamma's gradient, log_ndtr, _safe_softmax, lstsq
