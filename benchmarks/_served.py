@@ -1,12 +1,15 @@
 """``mlflow models serve`` of the spoken-digits served model, before and after issue #54.
 
-The same twin saved twice as coreshell logs it (:func:`torchshell.app.served.save_waveform_model`):
+The same twin saved as coreshell logs it (:func:`torchshell.app.served.save_waveform_model`):
 ``core="pt2"``, the ``torch.export`` program the pyfunc served before, and ``core="jax"``, the
-JAX core with ONNX Runtime for small batches. Each is served in turn on 127.0.0.1 (one uvicorn
-worker) and gets the same JSON requests of 0.64 s clips (64 frames, the in-process rows'
-length) at batch 1 and 64: p50 latency of one client's sequential requests, and requests/s
-at 4 concurrent clients. Beside them, each model's ``predict`` in process (the same request,
-no HTTP or JSON): what the core itself costs.
+JAX core with ONNX Runtime for small batches, whose model makes the server decode a request's
+JSON once; with ``cores=TWO_PARSES`` also the JAX core under MLflow's two decodes
+(``decode_once`` off). Each is
+served in turn on 127.0.0.1 (one uvicorn worker) and gets the same JSON requests of 0.64 s
+clips (64 frames, the in-process rows' length) at batch 1 and 64: p50 latency of one
+client's sequential requests, and requests/s at 4 concurrent clients. Beside them, each
+model's ``predict`` in process (the same request, no HTTP or JSON): what the core itself
+costs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,26 @@ import torch
 from benchmarks import _stats
 
 SAMPLES = 63 * 160  # 0.64 s at 16 kHz: 64 log-mel frames
-CORES = {"pt2": "before: pt2 program", "jax": "after: JAX core + ONNX Runtime"}
+CORES = {"pt2": "before: pt2 program", "jax": "after: JAX core + ONNX Runtime, one JSON parse"}
+#: ``inference.py --two-parses``: the JAX core under MLflow's own request handling too
+TWO_PARSES = {
+    "pt2": CORES["pt2"],
+    "jax-two-parses": "JAX core + ONNX Runtime, MLflow's two JSON parses",
+    "jax": CORES["jax"],
+}
+
+
+def save(serving: torch.nn.Module, path: Path, core: str) -> None:
+    """The served model as coreshell logs it; ``jax-two-parses``: the JAX core with the
+    server's request handling left as MLflow's (``decode_once`` off in ``serving.json``)."""
+    from torchshell.app.served import save_waveform_model
+
+    save_waveform_model(serving, path, core=core.removesuffix("-two-parses"))
+    if core.endswith("-two-parses"):
+        spec_path = path / "artifacts" / "serving.json"
+        spec_path.write_text(
+            json.dumps({**json.loads(spec_path.read_text()), "decode_once": False})
+        )
 
 
 def _free_port() -> int:
@@ -94,17 +116,19 @@ def _timed(fn: Any, arg: Any) -> float:
 
 
 def served_rows(
-    serving: torch.nn.Module, tmp: Path, bench: str, counts: dict[int, tuple[int, int]]
+    serving: torch.nn.Module,
+    tmp: Path,
+    bench: str,
+    counts: dict[int, tuple[int, int]],
+    cores: dict[str, str] = CORES,
 ) -> list[dict[str, Any]]:
     """Rows of both models at each batch of ``counts`` (``{batch: (sequential, concurrent)}``
     requests); outputs checked against the eager serving module within 1e-4."""
     import mlflow
 
-    from torchshell.app.served import save_waveform_model
-
     found: dict[tuple[str, int], dict[str, list[float]]] = {}
-    for core in CORES:
-        save_waveform_model(serving, tmp / f"served-{core}", core=core)
+    for core in cores:
+        save(serving, tmp / f"served-{core}", core)
         model = mlflow.pyfunc.load_model(str(tmp / f"served-{core}"))
         with Server(tmp / f"served-{core}", tmp / f"serve-{core}.log") as server:
             for batch, (sequential, concurrent) in counts.items():
@@ -132,7 +156,7 @@ def served_rows(
             ("local", "ms", f"in process (pyfunc predict), p50 of {sequential}"),
         ]:
             before = float(np.median(found["pt2", batch][key]))
-            for core, label in CORES.items():
+            for core, label in cores.items():
                 value = float(np.median(found[core, batch][key]))
                 ratio = value / before if key == "rate" else before / value
                 row = _stats.row(

@@ -148,6 +148,11 @@ def main() -> None:
     parser.add_argument(
         "--serve-only", action="store_true", help="only mlflow models serve, before and after"
     )
+    parser.add_argument(
+        "--two-parses",
+        action="store_true",
+        help="also serve the JAX core under MLflow's two JSON parses of a request",
+    )
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -195,7 +200,8 @@ def main() -> None:
     if not args.no_serve:  # the served model, as `coreshell train` logs it, before and after
         counts = {1: (5, 8), 64: (2, 4)} if args.tiny else {1: (100, 200), 64: (10, 20)}
         serving: Any = twin.serving  # the twin's own method
-        rows += _served.served_rows(serving(), tmp, BENCH, counts)
+        cores = _served.TWO_PARSES if args.two_parses else _served.CORES
+        rows += _served.served_rows(serving(), tmp, BENCH, counts, cores)
     print(_stats.markdown(rows))
     if args.json:
         _stats.write_rows(args.json, rows, _stats.machine())

@@ -112,3 +112,22 @@ def test_a_refused_request_names_the_fault_first_and_echoes_at_most_200_characte
     request = message[fix:].partition(" Request: ")[2]
     assert request and len(request.partition("...")[0]) <= ECHO, message
     assert len(message) < fix + 400, len(message)
+
+
+def test_serve_refuses_a_port_something_already_answers_on(tmp_path: Path):
+    """coreshell says when its server answers by connecting to the port: a port another
+    server holds is refused first (that server's answer would read as coreshell's)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", cli_module(), "serve", "runs:/0123/model"]
+        cmd += ["--port", str(port), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, env=quiet_env(), capture_output=True, text=True, timeout=300
+        )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"Something already answers on 127.0.0.1:{port}. Fix: pass another --port" in (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr

@@ -36,7 +36,7 @@ import numpy as np
 
 from torchshell._errors import ConfigError
 from torchshell.app import quiet
-from torchshell.app.stopping import announce, run_whole, stop_signals
+from torchshell.app.stopping import announce, port_answers, run_whole, stop_signals
 
 FRAME_STEP = 64  # features are padded to a multiple of this many frames: few compiled shapes
 STUB_PACKAGES = ("numpy<2", "pyzmq")
@@ -340,6 +340,11 @@ def _serve(args: argparse.Namespace) -> int:
                 )
                 triton.serve()
             return 0
+        if port_answers(args.host, args.port):  # (else the line below would be its answer)
+            raise ConfigError(
+                f"Something already answers on {args.host}:{args.port}. Fix: pass another "
+                "--port, or stop the server there."
+            )
         uri = model_uri(args.source, args.tracking_uri, Path(work))
         cmd = [
             sys.executable,

@@ -86,17 +86,26 @@ def announce(host: str, port: int, line: str, every: float = 0.5) -> threading.T
         >>> announce("127.0.0.1", 9, "never printed", every=0.01).daemon
         True
     """
-    import socket
 
     def wait() -> None:
-        while True:
-            with socket.socket() as probe:
-                probe.settimeout(2.0)
-                if probe.connect_ex((host, port)) == 0:
-                    print(line, file=sys.stderr, flush=True)
-                    return
+        while not port_answers(host, port):
             time.sleep(every)
+        print(line, file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=wait, name="coreshell-serve-announce", daemon=True)
     thread.start()
     return thread
+
+
+def port_answers(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on ``host:port``.
+
+    Example:
+        >>> port_answers("127.0.0.1", 9)  # the discard port: nothing listens on it here
+        False
+    """
+    import socket
+
+    with socket.socket() as probe:
+        probe.settimeout(2.0)
+        return probe.connect_ex((host, port)) == 0
