@@ -15,7 +15,8 @@ What a sample gives (:class:`Outcome`): ``equal``; ``refused`` (coreshell's
 result as torch's own float32 result is, within 10x, or closer); ``random`` (an op that
 draws: not compared by value, its draws vary with the step's key); ``different`` (silently:
 the values or gradients differ); ``error`` (a raw exception of the trace, not coreshell's);
-``skipped`` (nothing to compare: no floating output, or torch eager itself fails).
+``skipped`` (nothing to compare: no floating output, a sparse tensor, torch eager itself
+fails, or its float32 result is over 1000x the tolerance from its float64 one).
 """
 
 from __future__ import annotations
@@ -287,6 +288,8 @@ def compare(op: Any, sample: Any, *, random: bool = False) -> Outcome:
         return Outcome("different", detail)
     ours = [_scaled_error(g, e) for g, e in zip(got, exact, strict=True)]
     torchs = [_scaled_error(w, e) for w, e in zip(want, exact, strict=True)]
+    if max(torchs) > 1e3:  # (torch 2.9's `sgn` gradient of a sample: uninitialised memory)
+        return Outcome("skipped", "torch's float32 and float64 results differ (over 1000x)")
     if all(o <= max(1.0, 10 * t) for o, t in zip(ours, torchs, strict=True)):
         return Outcome("noise", f"off by {max(errors):.3g} x tolerance; torch float32 too")
     return Outcome("different", detail)

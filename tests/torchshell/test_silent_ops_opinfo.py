@@ -11,8 +11,12 @@ found silently different; the whole database is ``make opinfo``
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.testing._internal.opinfo.core import SampleInput
 
 from tests.torchshell.opinfo_harness import PASSING, compare, draws, in_scope, samples
 from tests.torchshell.opinfo_sweep import DOC
@@ -99,3 +103,17 @@ def test_op_table_in_the_docs_is_the_sweeps_and_lists_every_op() -> None:
     assert not extra, f"no longer in op_db: {extra[:10]} ({len(extra)}): {fix}"
     unswept = [r.key for r in rows if (r.status == "not swept") == scope[r.key]]
     assert not unswept, f"swept or not, not as op_db says now: {unswept[:10]}: {fix}"
+
+
+@pytest.mark.filterwarnings("ignore")  # (as above)
+def test_ctc_loss_of_raw_scores_has_torchs_gradient() -> None:
+    """torch's CTC kernel gives ``exp(input) - posterior``, not the derivative of its loss: a
+    head that feeds raw scores (no ``log_softmax``) trains in torch as if they were
+    normalised. The trace gave JAX's derivative, ~1e-4 off per element (op_db's
+    ``nn.functional.ctc_loss`` samples, silently); now torch's (trace/_ctc_grad.py)."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(12, 3, 5, generator=g, requires_grad=True)  # [T, N, C], raw
+    targets = torch.tensor([[1, 2, 2], [3, 1, 0], [4, 4, 4]])
+    sample = SampleInput(scores, args=(targets, torch.tensor([12, 9, 11]), torch.tensor([3, 2, 3])))
+    found = compare(SimpleNamespace(op=F.ctc_loss), sample)
+    assert found.kind in ("equal", "noise"), found

@@ -21,7 +21,8 @@ from torchshell.trace._autocast import user_autocast
 from torchshell.trace._autograd_fn import custom_backwards
 from torchshell.trace._cholesky import cholesky_lowerings
 from torchshell.trace._conv import conv_lowerings
-from torchshell.trace._ctc import ctc_nll, hf_ctc_shape_static
+from torchshell.trace._ctc import hf_ctc_shape_static
+from torchshell.trace._ctc_grad import ctc_nll_torch_grad
 from torchshell.trace._cumulative_bn import cumulative_batch_norm
 from torchshell.trace._embedding_bag import embedding_bag_lowerings
 from torchshell.trace._fold import folded_when_concrete
@@ -82,7 +83,7 @@ def environment(reads: Reads) -> Any:
     lowerings = {
         torch.ops.aten.bincount.default: bincount,
         torch.ops.aten._grouped_mm.default: grouped_mm,  # mixture-of-experts layers
-        torch.ops.aten._ctc_loss.Tensor: ctc_nll,  # F.ctc_loss, nn.CTCLoss
+        torch.ops.aten._ctc_loss.Tensor: ctc_nll_torch_grad,  # F.ctc_loss: torch's gradient
         # (torch 2.9's own decomposition, which torchax would use, counts the target slots
         # after the first -1: a wrong loss, silently)
         torch.ops.aten.multilabel_margin_loss_forward.default: multilabel_margin_loss,
