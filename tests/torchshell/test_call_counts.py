@@ -3,9 +3,10 @@
 Counted by :class:`tests.calls.CallCounter` (every call of a function defined in jaxcore/,
 bridge/ or torchshell/ on the training thread, generator resumptions included), a mean over
 the batches after the 10th of a 2-epoch fit at the defaults. The ceilings sit ~10% above the
-counts of 2026-12-07 (session 28: Flax 48, from_torch 50, from_lightning 117-148), so the
-per-batch walk cannot grow unnoticed; issue #53 aims at 15 (Flax, from_torch) and 30
-(from_lightning): lower the ceilings as the walk is cut.
+counts of 2026-12-07 (session 28: Flax 48, from_torch 50, from_lightning 117-148; with user
+hooks dispatched by the adapter, under this suite's 8 CPU devices: 47.7, 51.8, 144.0, from
+48.7, 52.7, 148.0), so the per-batch walk cannot grow unnoticed; issue #53 aims at 15 (Flax,
+from_torch) and 30 (from_lightning): lower the ceilings as the walk is cut.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jaxcore.models.digits import MLP
 from tests.calls import CallCounter
 from torchshell import JaxModule
 
-CEILING = {"flax": 55, "from_torch": 60, "from_lightning": 160}
+CEILING = {"flax": 53, "from_torch": 57, "from_lightning": 158}
 
 
 class _Lit(L.LightningModule):

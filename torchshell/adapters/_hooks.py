@@ -112,7 +112,7 @@ def dispatching_hooks(cls: type[T]) -> type[T]:
         ...     def on_fit_start(self) -> None: ...
         >>> Module.on_fit_start.__qualname__, Module.on_fit_end.__name__
         ('Module.on_fit_start', 'on_fit_end')
-        >>> isinstance(Module.__dict__["val_dataloader"], property)
+        >>> isinstance(vars(Module)["val_dataloader"], property)
         True
     """
     for name in TABLE_HOOKS:
