@@ -79,10 +79,18 @@ class LightningLogs(TrainLogs):
     def __init__(self, port: LightningPort) -> None:
         self.port = port
         self._epoch: dict[str, Any] | None = None  # the epoch's sums, on device
+        # on-step values, the last of the epoch (as Lightning's results: kept on later steps)
+        self._last: dict[str, Any] = {}
+        self._last_epoch, self._specs = -1, dict[str, LogSpec]()
 
     def _train_specs(self) -> dict[str, LogSpec]:
         # (what on_after_backward/on_before_optimizer_step log is reported as a step's value)
-        return {**self.port.specs["training_step"], **self.port.specs[GRADS_HOOK]}
+        return {**self._step_specs(), **self.port.specs[GRADS_HOOK]}
+
+    def _step_specs(self) -> dict[str, LogSpec]:
+        """What any specialisation logs (``f"{task}_loss"``; the port: the last traced)."""
+        self._specs.update(self.port.specs["training_step"])
+        return self._specs
 
     def train_values(self, module: Any, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The loss under ``system/coreshell.train.``, the user's on-step values as named."""
@@ -90,8 +98,10 @@ class LightningLogs(TrainLogs):
         for name, spec in self._train_specs().items():
             if spec.on_step and spec.metric is None:  # (metric objects: Lightning logs them)
                 # under accumulate_grad_batches: each batch's own, the last one's reported
-                value = metrics.get(f"{MICRO}log/{name}", metrics[f"log/{name}"])
-                out[f"{name}_step" if spec.on_epoch else name] = value
+                value = metrics.get(f"{MICRO}log/{name}", metrics.get(f"log/{name}"))
+                value = self._last.get(name) if value is None else value  # (None: not logged)
+                if value is not None:
+                    out[f"{name}_step" if spec.on_epoch else name] = value
         for key in ("nonfinite",):
             if key in metrics:
                 out[f"{self.own_train}{key}"] = metrics[key]
@@ -149,6 +159,12 @@ class LightningLogs(TrainLogs):
         to the epoch's sums (weighted by rows or the ``batch_size=`` they were logged with)."""
         if self.port.metric_calls["training_step"]:
             self._metric_objects(module, metrics)
+        if (epoch_now := getattr(module._trainer, "current_epoch", 0)) != self._last_epoch:
+            self._last, self._last_epoch = {}, epoch_now  # (Lightning's results: afresh)
+        for name, spec in self._train_specs().items():
+            value = metrics.get(f"{MICRO}log/{name}", metrics.get(f"log/{name}"))
+            if spec.on_step and value is not None:
+                self._last[name] = value
         epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch and s.metric is None}
         if not epoch:
             return
@@ -156,10 +172,12 @@ class LightningLogs(TrainLogs):
         micro_rows = module.accumulation.micro_rows  # each batch's rows of the last window
         # logged once per optimizer step (on_before_optimizer_step): Lightning weighs it by
         # the batch it ran after, an accumulation window's last one
-        once = set(self.port.specs[GRADS_HOOK]) - set(self.port.specs["training_step"])
+        once = set(self.port.specs[GRADS_HOOK]) - set(self._step_specs())
         for name, spec in epoch.items():
             each = metrics.get(f"{MICRO}log/{name}")  # accumulated batches: each its own
             size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
+            if each is None and f"log/{name}" not in metrics:
+                continue  # logged on other batches only (f"{task}_loss": a name per task)
             if each is None:
                 v = jnp.reshape(metrics[f"log/{name}"], (-1,))[-1:]
                 window = module.flags.accumulate > 1
@@ -172,7 +190,9 @@ class LightningLogs(TrainLogs):
             if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
                 weight = jnp.ones(v.shape, jnp.float32)
             new[name] = (jnp.sum(v * weight), jnp.sum(weight), jnp.max(v), jnp.min(v))
-        self._epoch = new if self._epoch is None else _accumulate(self._epoch, new)
+        old = self._epoch or {}
+        both = {k: old[k] for k in new if k in old}  # (names some batches log, others not)
+        self._epoch = {**old, **new, **(_accumulate(both, {k: new[k] for k in both}))}
 
     def _metric_objects(self, module: Any, metrics: dict[str, jax.Array]) -> None:
         """The step's torchmetrics batch states into the user's metrics; logged by Lightning.
@@ -222,9 +242,10 @@ class LightningLogs(TrainLogs):
                 module.trainer.callback_metrics[name] = torch.tensor(value[spec.reduce_fx])
 
     def last_step_values(self, module: Any) -> None:
-        """(Done per epoch, under the user's names: :meth:`train_epoch_end`.)"""
+        """``callback_metrics`` end on the last step's values (not the last logging step's)."""
+        self._user_step_values(module, end=True)
 
-    def _user_step_values(self, module: Any) -> None:
+    def _user_step_values(self, module: Any, end: bool = False) -> None:
         """``callback_metrics`` hold the epoch's last on-step values, as in plain Lightning.
 
         (Lightning updates them every step; here they are fetched once per epoch, so a run
@@ -239,7 +260,8 @@ class LightningLogs(TrainLogs):
             if spec.on_step and key in values:
                 value = torch.tensor(float(np.ravel(values[key])[-1]))
                 callback_metrics[key] = value
-                callback_metrics[name] = value  # (the epoch value follows)
+                if not (end and spec.on_epoch):
+                    callback_metrics[name] = value  # (the epoch value follows)
 
 
 class LightningEvaluation(EvalHooks):
@@ -252,6 +274,7 @@ class LightningEvaluation(EvalHooks):
     def __init__(self, port: LightningPort) -> None:
         self.port = port
         self.steps: dict[str, jaxcore.Step] = {}  # per hook (and loader): the compiled step
+        self.specs: dict[str, dict[str, LogSpec]] = {}  # what every specialisation logs
         self.repeats = RepeatedRows()  # rows a DistributedSampler repeated, per loader
 
     def _step_for(self, module: Any, hook: str, dataloader_idx: int | None) -> jaxcore.Step:
@@ -319,7 +342,11 @@ class LightningEvaluation(EvalHooks):
         values = run_metric_calls(user, self.port.metric_calls[key], host, given)
         for name, items in appended.items():  # self.<list>.append(...)
             getattr(user, name).extend(host_tensors(items))
-        for name, spec in self.port.specs[key].items():
+        specs = self.specs.setdefault(key, {})
+        specs.update(self.port.specs[key])
+        for name, spec in specs.items():
+            if spec.metric is None and spec.host_call is None and name not in host:
+                continue  # (logged on other batches only: f"val_{task}_loss")
             value = float(host[name]) if spec.metric is None else user.get_submodule(spec.metric)
             if spec.host_call is not None:  # a host metric's batch value
                 value = values[spec.host_call]
