@@ -228,26 +228,20 @@ def _direct_applies(given: dict[str, Any]) -> bool:
 
 def _direct(given: dict[str, Any], env: Any) -> tuple[Any, None]:
     """``F.multi_head_attention_forward`` (seq-first ``[L, B, E]``) as projections into
-    :func:`attend`'s layout, one einsum each way (the packed projection once when the query,
-    key and value are one tensor)."""
+    :func:`attend`'s layout: one einsum per projection straight to ``[B, L, heads, head dim]``
+    (as Flax's ``DenseGeneral``; one packed projection split afterwards cost copies on a TPU)."""
     names = ("query", "key", "value", "in_proj_weight", "in_proj_bias")
     query, key, value, weight, bias = env.t2j_iso(tuple(given[n] for n in names))
     out_w, out_b = env.t2j_iso((given["out_proj_weight"], given["out_proj_bias"]))
     heads = given["num_heads"]
     embed = query.shape[-1]
+    weights = weight.reshape(3, heads, embed // heads, embed)  # [q/k/v, head, head dim, E]
+    biases = (None,) * 3 if bias is None else bias.reshape(3, heads, -1)
 
     def project(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-        y = jnp.einsum("lbe,fe->blf", x, w)  # [L, B, E] -> [B, L, F]
-        y = y if b is None else y + b
-        return y.reshape(*y.shape[:2], -1, embed // heads)  # [B, L, F / head dim, head dim]
+        y = jnp.einsum("lbe,hde->blhd", x, w)  # [L, B, E] -> [B, L, heads, head dim]
+        return y if b is None else y + b
 
-    if given["query"] is given["key"] and given["key"] is given["value"]:
-        q, k, v = jnp.split(project(query, weight, bias), 3, axis=2)
-    else:
-        biases = (None,) * 3 if bias is None else jnp.split(bias, 3)
-        q, k, v = (
-            project(x, w, b)
-            for x, w, b in zip((query, key, value), jnp.split(weight, 3), biases, strict=True)
-        )
+    q, k, v = (project(x, weights[i], biases[i]) for i, x in enumerate((query, key, value)))
     out = jnp.einsum("blhd,ehd->lbe", attend(q, k, v), out_w.reshape(embed, heads, -1))
     return env.j2t_iso(out if out_b is None else out + out_b), None
