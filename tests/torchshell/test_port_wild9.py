@@ -155,6 +155,39 @@ def test_a_full_backward_hook_is_refused_and_a_tensor_hook_does_the_same(tmp_pat
     _close(runs)
 
 
+class _HookedEval(W.Hooked):
+    """:class:`Hooked` with a forward, a ``validation_step`` and a ``predict_step``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+def test_a_full_backward_hook_runs_in_validate_and_predict_only_runs(tmp_path: Path) -> None:
+    # was: refused as in training, though no backward runs (torch runs no backward hook)
+    got, want = {}, {}
+    for mode, out in (("plain", want), ("jax", got)):
+        torch.manual_seed(0)
+        user = _HookedEval()
+        fit = user if mode == "plain" else JaxModule.from_lightning(user, print_summary=False)
+        trainer = _trainer(tmp_path / mode)
+        out["val"] = trainer.validate(fit, _table(), verbose=False)[0]["val_loss"]
+        out["predict"] = torch.cat(trainer.predict(fit, _table())).numpy()
+    np.testing.assert_allclose(got["val"], want["val"], rtol=1e-5)
+    np.testing.assert_allclose(got["predict"], want["predict"], rtol=1e-5, atol=1e-6)
+    # ... and a fit is still refused at its training step, after the sanity check's
+    # validation steps ran
+    module = JaxModule.from_lightning(_HookedEval(), print_summary=False)
+    with pytest.raises(TorchModelError, match=r"Linear module .* backward hook .*Fix: hook the"):
+        _trainer(tmp_path / "fit").fit(module, _table(), _table())
+
+
 def test_configure_gradient_clipping_refused_and_skipping_the_rest_of_an_epoch(
     tmp_path: Path,
 ) -> None:

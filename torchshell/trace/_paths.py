@@ -15,6 +15,7 @@ from torch import nn
 
 import bridge
 from torchshell._errors import TorchModelError
+from torchshell.trace._module_hooks import training_trace
 from torchshell.trace._reads import Branch
 
 
@@ -139,12 +140,15 @@ def mode(module: nn.Module, train: bool, own_modes: bool = False) -> Iterator[No
     With ``own_modes``, training keeps each submodule's mode as it is, as Lightning 2's fit
     loop does (it never calls ``LightningModule.train()``): a teacher or a backbone whose
     BatchNorm the user put in eval (``self.teacher.eval()`` in ``__init__``) stays in eval.
+    Within, the trace is a training one exactly when ``train``
+    (:func:`~torchshell.trace._module_hooks.training_trace`).
     """
     before = {m: m.training for m in module.modules()}
     if not (train and own_modes):
         module.train(train)
     try:
-        yield
+        with training_trace(train):  # (module backward hooks: refused when training only)
+            yield
     finally:
         for m, was in before.items():
             m.training = was
