@@ -37,6 +37,7 @@ from tests.torchshell.opinfo_harness import Outcome
 
 DOC = table.ROOT / "docs" / "torch_model.md"
 Key = tuple[str, str]
+_STARTUP = 180.0  # seconds a worker may take to import torch, JAX and op_db
 
 
 def _op_db() -> list[Any]:
@@ -51,6 +52,8 @@ def _worker(keys: Sequence[Key], results: Path, count: int) -> None:
 
     by_key = {(op.name, op.variant_test_name): op for op in _op_db()}
     with results.open("a") as out:
+        out.write(json.dumps({"ready": True}) + "\n")  # (imports done: the ops' clock starts)
+        out.flush()
         for key in keys:
             out.write(json.dumps({"start": key}) + "\n")
             out.flush()
@@ -93,9 +96,9 @@ class _Run:
 
     def why(self, timed_out: float | None) -> str:
         if timed_out is not None:
-            return f"crashed: ran past {timed_out:.0f} s (--timeout)"
+            return f"ran past {timed_out:.0f} s (--timeout)"
         tail = [s for s in self.log.read_text(errors="replace").splitlines() if s.strip()]
-        return f"crashed: worker exit {self.proc.returncode}: {tail[-1] if tail else ''}"
+        return f"the worker exited {self.proc.returncode}: {tail[-1] if tail else ''}"
 
 
 class Sweep:
@@ -137,7 +140,8 @@ class Sweep:
             for r in list(running):
                 r.poll()
                 exited = r.proc.poll() is not None
-                late = time.monotonic() - r.last > self.timeout
+                allowed = self.timeout + (0 if r.seen else _STARTUP)  # (imports first)
+                late = time.monotonic() - r.last > allowed
                 if not exited and not late:
                     continue
                 if not exited:
