@@ -58,7 +58,9 @@ if [[ $DRY == 1 ]]; then
   export JAX_PLATFORMS=cpu
   # XLA's CPU backend unoptimised: tiny steps compile twice as fast; their figures mean nothing
   export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  # one loader form in the dry run: the script's path (test_benchmarks runs every form)
   ENC=(--dry-run) MODELS=(--dry-run) TRANSFER=(--dry-run) DIGITS=(--tiny --rounds 1)
+  FORMS="dict collate"
   SPEECH=(--dry-run)
 else
   PY="${PY:-python3}"
@@ -77,6 +79,7 @@ else
   fi
   BUDGET="${TPU_SH_BUDGET:-520}"  # (the install before it took 70 s)
   ENC=(--steps 20 --batch 16) MODELS=() TRANSFER=() DIGITS=(--rounds 2 --steps 300) SPEECH=()
+  FORMS="dict collate,TensorDataset tuples"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 START=$SECONDS
@@ -109,7 +112,7 @@ stage encoder "$(lim 270 600)" "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" \
 stage transfer "$(lim 60 300)" "$PY" benchmarks/tpu_transfer.py "${TRANSFER[@]}" \
   --json "$WORK/transfer.json"
 stage digits "$(lim 150 600)" "$PY" benchmarks/user_path.py "${DIGITS[@]}" --only a,c,e \
-  --forms "dict collate,TensorDataset tuples" --json "$WORK/digits.json"
+  --forms "$FORMS" --json "$WORK/digits.json"
 stage speech "$(lim 60 900)" "$PY" benchmarks/tpu_speech.py "${SPEECH[@]}" \
   --json "$WORK/speech.json"
 
