@@ -58,7 +58,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tpu_speech_"))
     # the dry run: 4 steps on the small set the suite's speech tests build (4 voices, 1 take:
-    # a 40-clip test split, not 840) and one DataLoader worker per loader (3 spawned processes,
+    # 40 clips in all, not 5,760) and one DataLoader worker per loader (3 spawned processes,
     # not 6): every part of the run still goes through (workers, test, predict, export)
     steps = ["trainer.max_steps=4", *DRY_DATA] if args.dry_run else []
     cmd = [
