@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 import bridge
-from torchshell.adapters._batches import _all_tensors, _host_leaf, containers_as_nodes
+from torchshell.adapters._batches import _host_leaf
+from torchshell.adapters._containers import all_tensors, containers_as_nodes
 
 __all__ = ["arrays_as_tensors"]
 
@@ -35,7 +36,7 @@ def arrays_as_tensors(batch: Any) -> Any:
         >>> out["x"].dtype, out["y"].tolist(), out["id"]
         (torch.float32, [1, 0], ['a', 'b'])
     """
-    if _all_tensors(batch):  # the common case: nothing to convert
+    if all_tensors(batch):  # the common case: nothing to convert
         return batch
     containers_as_nodes(batch)
     n = bridge.rows(batch)  # (a list of another length is not per-row data: left as it is)

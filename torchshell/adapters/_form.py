@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchshell.adapters._batches import _all_tensors
+from torchshell.adapters._containers import all_tensors
 from torchshell.adapters._flax_checks import _checked_fields
 
 __all__ = ["BatchForm"]
@@ -49,13 +49,13 @@ class BatchForm:
         """The form of ``batch`` when its preparation (``prepared``) only named its tensors,
         else ``None``."""
         kind = type(batch)
-        if not isinstance(prepared, dict) or not _all_tensors(prepared):
+        if not isinstance(prepared, dict) or not all_tensors(prepared):
             return None
         if any(_checked_fields(tuple(prepared))):  # lengths and masks: checked per batch
             return None
         if kind is dict and prepared is batch:
             return cls(dict, frozenset(batch), None, tuple((k, v.dtype) for k, v in batch.items()))
-        if kind in (list, tuple) and _all_tensors(batch) and len(batch) <= len(batch_keys):
+        if kind in (list, tuple) and all_tensors(batch) and len(batch) <= len(batch_keys):
             names = tuple(batch_keys[: len(batch)])
             return cls(kind, len(batch), names, tuple(t.dtype for t in batch))
         return None
@@ -63,7 +63,7 @@ class BatchForm:
     def named(self, batch: Any) -> dict[str, Any] | None:
         """``batch`` named, when it has this form and holds only tensors of the learned dtypes;
         else ``None``."""
-        if type(batch) is not self.kind or not _all_tensors(batch):
+        if type(batch) is not self.kind or not all_tensors(batch):
             return None
         fields: Any = batch
         if self.names is None:

@@ -25,7 +25,8 @@ import bridge
 import jaxcore
 from torchshell._errors import ConfigError
 from torchshell.adapters._base import TorchAdapter
-from torchshell.adapters._batches import MicroBatches, containers_as_nodes, host_fields_out
+from torchshell.adapters._batches import MicroBatches, host_fields_out
+from torchshell.adapters._containers import containers_as_nodes
 from torchshell.adapters._flax_checks import check_lengths_and_masks
 from torchshell.adapters._placement import Placement
 from torchshell.port._ckpt_part import LightningCheckpoint
