@@ -90,12 +90,12 @@ def table_hook(name: str) -> Any:
     )
 
 
-def adapter_hook(name: str) -> Callable[..., None]:
+def adapter_hook(name: str) -> Callable[..., Any]:
     """``JaxModule``'s loop hook ``name`` where the module has no part of its own: the
     adapter's alone (``adapter.hooks.run``; the port: the user's hook)."""
 
-    def hook(module: Any, *args: Any, **kwargs: Any) -> None:
-        module.adapter.hooks.run(module, name, *args, **kwargs)
+    def hook(module: Any, *args: Any, **kwargs: Any) -> Any:
+        return module.adapter.hooks.run(module, name, *args, **kwargs)
 
     hook.__name__ = hook.__qualname__ = name
     return hook
@@ -161,9 +161,10 @@ class ModuleHooks:
             step = default_hook(module, "validation_step")
         self.table = SimpleNamespace(**{**vars(self.table), "validation_step": step})
 
-    def run(self, module: Any, name: str, *args: Any, **kwargs: Any) -> None:
+    def run(self, module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         """Lightning's loop hook ``name`` (:data:`LOOP_HOOKS`), after the module's own part:
-        the model's part, with the hook's arguments (the port: the user's hook)."""
+        the model's part, with the hook's arguments (the port: the user's hook); what the
+        hook returns (``None`` here)."""
 
     def setup(self, module: Any, stage: str) -> None:
         """After the module's own ``setup``."""

@@ -253,9 +253,9 @@ class JaxModule(L.LightningModule):
         """Runs the compiled step, or buffers the batch for K steps in one call."""
         return train_batch(self, batch)  # type: ignore[no-any-return]
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.train_log.batch_started()
-        self.adapter.hooks.run(self, "on_train_batch_start", batch, batch_idx)
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        self.train_log.batch_started()  # (-1 from the port's user hook: the epoch ends)
+        return self.adapter.hooks.run(self, "on_train_batch_start", batch, batch_idx)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.train_log.batch_ended()

@@ -305,18 +305,14 @@ class LogCapture:
     ) -> Any:
         """``metric``'s update (and, for ``forward``, its compute) on the traced batch alone,
         from its defaults: its batch states recorded for the host, its own left as they were."""
-        own = {name: getattr(metric, name) for name, _ in states}
-        for name, _ in states:
-            default: Any = metric._defaults[name]  # (a tensor: _state_reductions)
-            setattr(metric, name, default.detach().clone().to(self.module._device))
-        try:
+        with TraceSandbox() as sandbox:  # (its own states put back after)
+            for name, _ in states:
+                default: Any = metric._defaults[name]  # (a tensor: _state_reductions)
+                sandbox.patch(metric, name, default.detach().clone().to(self.module._device))
             type(metric).update(metric, *args, **kw)
             batch = {name: getattr(metric, name) for name, _ in states}
             if forward:
                 batch["value"] = type(metric).compute(metric)
-        finally:
-            for name, value in own.items():
-                setattr(metric, name, value)
         if forward:
             cached[path] = batch["value"]
         calls.append((MetricCall(path, forward, states), batch))

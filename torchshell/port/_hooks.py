@@ -119,9 +119,10 @@ class LightningHooks(ModuleHooks):
         if self.port.module.hparams:
             module.save_hyperparameters(dict(self.port.module.hparams))
 
-    def run(self, module: Any, name: str, *args: Any, **kwargs: Any) -> None:
+    def run(self, module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         """The user's own loop hook ``name`` (when it overrides it), after the module's part,
-        with the port's own work around it, in plain Lightning's order.
+        with the port's own work around it, in plain Lightning's order; what it returns
+        (``on_train_batch_start``'s -1 ends the epoch, as in plain Lightning).
 
         Before the user's: ``on_train_batch_start`` aligns Lightning's logger step
         (``steps.align_logger_step``); ``on_train_batch_end`` gives a
@@ -134,16 +135,18 @@ class LightningHooks(ModuleHooks):
             module.adapter.steps.align_logger_step(module)
         elif name == "on_train_batch_end" and self.lr_monitor:
             module.adapter.optim.sync_torch_lr(module)
+        returned = None
         if name in self.user_hooks:
-            self._run_user_hook(module, name, args, kwargs)
+            returned = self._run_user_hook(module, name, args, kwargs)
         if name == "on_train_epoch_start":
             self._trainable_checked(module)
         elif name == "on_train_epoch_end":
             module.adapter.optim.step_plateau(module)
+        return returned
 
     def _run_user_hook(
         self, module: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    ) -> Any:
         """The user's hook ``name``, as plain Lightning runs it.
 
         The user's ``self.log``/``self.log_dict`` in it go to the module's (the one
@@ -161,7 +164,7 @@ class LightningHooks(ModuleHooks):
                 host = functools.partial(steps.host_schedulers, module)
                 sandbox.patch(user, "lr_schedulers", host)
             with synced_on_read(user, module._sync_user_weights):
-                getattr(user, name)(*args, **kwargs)
+                return getattr(user, name)(*args, **kwargs)
 
     def _trainable_checked(self, module: Any) -> None:
         """After the callbacks' and the user's ``on_train_epoch_start`` (a freeze or unfreeze
