@@ -44,7 +44,6 @@ from torchshell.port._logs import (
     torch_ints,
 )
 from torchshell.port._repeats import RepeatedRows
-from torchshell.port._rows import common_rows
 from torchshell.port._trace import LightningPort
 from torchshell.trace._embedding import EVAL_CHECK_KEY
 
@@ -333,7 +332,7 @@ class LightningEvaluation(EvalHooks):
         jbatch = self.port.specialise(hook, adapter.place(fields), False, dataloader_idx)
         out, logs = self._step_for(module, hook, dataloader_idx)(state, jbatch)
         out = host_fields_back(out, batch)
-        n = common_rows(batch)
+        n = jaxcore.rows(batch, default=0)
         host = jax.device_get(logs)
         raise_failed(host.pop(EVAL_CHECK_KEY, NO_CHECK), f"in a {hook} batch")
         key = hook_key(hook, dataloader_idx)
