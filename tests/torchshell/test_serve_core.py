@@ -215,3 +215,32 @@ def test_the_served_models_class_gets_no_type_hint_advice():
         warnings.simplefilter("always")
         runpy.run_path(str(CODE), run_name="served_model_probe")
     assert not [w for w in seen if "type hints" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_malformed_json_gets_a_short_400_that_says_the_fault_and_the_fix(models, monkeypatch):
+    """MLflow answers a body that is not JSON with a 400 that echoes the whole body (a
+    truncated batch-64 request: 14 MB back); the served model's server answers with the fault
+    and the fix first and at most ECHO characters of the body."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.pyfunc import scoring_server
+
+    from torchshell.app.waveform_model import ECHO
+
+    monkeypatch.setattr(scoring_server, "_parse_json_data", scoring_server._parse_json_data)
+    monkeypatch.setitem(sys.modules, "mlflow.pyfunc.scoring_server.app", sys.modules[__name__])
+    model = mlflow.pyfunc.load_model(str(models["jax"]))
+    schema = model.metadata.get_input_schema()
+    batch = _batch([8_000, 6_400], seed=5)
+    whole = json.dumps({"inputs": {k: v.tolist() for k, v in batch.items()}}).encode()
+    for bad in (whole[: len(whole) // 2], b'{"inputs": [1, 2,', b"\xff\xfe{}"):
+        with pytest.raises(MlflowException) as refused:
+            scoring_server.invocations(bad, "application/json", model, schema)
+        error = refused.value
+        reply = json.loads(error.serialize_as_json())  # what the HTTP client reads
+        assert error.get_http_status_code() == 400
+        message = reply["message"]
+        assert message.startswith("The request is not valid JSON"), message[:300]
+        assert message.index("Fix:") < message.index("Request ("), message[:300]
+        echo = message.split(f"Request ({len(bad):,} bytes): ", 1)[1]
+        assert len(echo.removesuffix("...")) <= ECHO, len(echo)
+        assert len(message) < 700 and "stack_trace" not in reply, len(message)

@@ -222,6 +222,29 @@ class Pt2Core:
 
 CORES = {"jax": JaxCore, "pt2": Pt2Core}
 
+
+def malformed(body: bytes | str, error: ValueError) -> MlflowException:
+    """The 400 for a request body that is not JSON: the fault and the fix, then at most
+    :data:`ECHO` characters of the body (MLflow's own message repeats all of it).
+
+    Example:
+        >>> body = b'{"inputs": [1, 2,'
+        >>> try:
+        ...     json.loads(body)
+        ... except ValueError as err:
+        ...     print(malformed(body, err).message[:55])
+        The request is not valid JSON (Expecting value: line 1
+    """
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
+    size = f"{len(body):,} {'bytes' if isinstance(body, bytes) else 'characters'}"
+    echo = text if len(text) <= ECHO else f"{text[:ECHO]}..."
+    return _refuse(
+        f"The request is not valid JSON ({str(error)[:ECHO]}): a truncated or unfinished body? "
+        f"Fix: send the whole request as one UTF-8 JSON object. {FORMAT}. "
+        f"Request ({size}): {echo}"
+    )
+
+
 #: The module ``mlflow models serve``'s uvicorn imports; it loads the model while imported.
 SERVER_APP = "mlflow.pyfunc.scoring_server.app"
 
@@ -233,8 +256,9 @@ def decode_once(server: Any) -> bool:
     LLM keys, then hands the raw body to ``_split_data_and_params``, which decodes it again:
     two ``json.loads`` of a batch-64 request's 14 MB, most of its time. Here the body is
     decoded once and the dict handed on (``_decode_json_input`` returns a dict unchanged):
-    the same data, params and errors. Nothing else of the server changes; a server without
-    these functions is left as it is.
+    the same data, params and errors, except that a body that is not JSON gets
+    :func:`malformed`'s short 400, not MLflow's echo of the whole body. Nothing else of the
+    server changes; a server without these functions is left as it is.
 
     Args:
         server: the ``mlflow.pyfunc.scoring_server`` module.
@@ -259,7 +283,13 @@ def decode_once(server: Any) -> bool:
 
     @functools.wraps(parse)
     def parse_decoded(data: Any, metadata: Any, input_schema: Any) -> Any:
-        return parse(decode(data), metadata, input_schema)
+        try:
+            decoded = decode(data)
+        except MlflowException as err:  # MLflow's message repeats the whole body
+            if not isinstance(err.__cause__, ValueError):  # JSON or UTF-8 decoding errors
+                raise
+            raise malformed(data, err.__cause__) from None
+        return parse(decoded, metadata, input_schema)
 
     parse_decoded.decodes_once = True  # type: ignore[attr-defined]
     server._parse_json_data = parse_decoded
