@@ -48,6 +48,7 @@ from torchshell.trace._norms import norm_lowerings
 from torchshell.trace._ops import install_ops
 from torchshell.trace._packed import packed_as_masks
 from torchshell.trace._reads import Reads, scalar_reads
+from torchshell.trace._refused import refused_env_lowerings, refused_lowerings
 from torchshell.trace._rnnt import rnnt_loss_forward
 from torchshell.trace._scatter_reduce import scatter_reduce_lowerings
 from torchshell.trace._special import special_lowerings
@@ -110,11 +111,13 @@ def environment(reads: Reads) -> Any:
         **unpool_lowerings(),  # max_unpool1d/2d/3d: one scatter, torch's gradient (a gather)
         **symmetric_lowerings(),  # eigh/eigvalsh/pinv(hermitian): one triangle, as torch
         **scatter_reduce_lowerings(),  # (torch's gradient: prod, ties of amax/amin)
+        **refused_lowerings(),  # lu_unpack, householder_product, ormqr, segment_reduce
     }
     with_env = {
         # torch.distributions' samplers (Beta(a, a).sample(): mixup) draw from the trace's key
         torch.ops.aten._sample_dirichlet.default: sample_dirichlet,
         torch.ops.aten._standard_gamma.default: standard_gamma,
+        **refused_env_lowerings(),  # torch.normal(mean, std, size) of two numbers
         # attention: one fused call (jax.nn.dot_product_attention), not torchax's math reference
         F.scaled_dot_product_attention: sdpa,
         torch.ops.aten.scaled_dot_product_attention: sdpa,

@@ -1,0 +1,109 @@
+"""Ops the op database sweep found refused with a fix that could not be followed (issue #52):
+``torch.normal(mean, std, size)`` of two numbers, ``torch.lu_unpack``,
+``torch.linalg.householder_product``, ``torch.ormqr`` and ``torch.segment_reduce`` (lengths
+or offsets, traced too). Now lowered (``torchshell/trace/_refused.py``): values and every
+gradient against torch eager; the draw from the step's key, new with each key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.torchshell.test_silent_ops import _differences
+from torchshell.torch_model import torch_model_fns
+
+_G = torch.Generator().manual_seed(3)
+_TALL = torch.randn(6, 4, generator=_G)
+_BATCH = torch.randn(2, 5, 5, generator=_G)
+_TAU = torch.rand(4, generator=_G) + 0.5
+_TAUS = torch.rand(2, 5, generator=_G) + 0.5
+
+
+def _lu_unpack(a: torch.Tensor) -> torch.Tensor:
+    """``P @ (L * 2) + U`` weights each factor of ``a``'s LU differently (its own pivots)."""
+    lu, piv = torch.linalg.lu_factor(a.detach())
+    lu = lu + (a - a.detach())  # (the gradient reaches a through the factors' entries)
+    p, low, up = torch.lu_unpack(lu, piv)
+    return torch.cat([(p @ low).flatten(), (low * 2).flatten(), up.flatten()])
+
+
+@pytest.mark.parametrize(
+    "matrix",
+    [_TALL, _TALL.T.contiguous(), _BATCH],
+    ids=["tall", "wide", "batch"],
+)
+def test_lu_unpack_equals_torch(matrix: torch.Tensor) -> None:
+    assert not _differences(_lu_unpack, [matrix])
+
+
+def test_lu_unpack_of_pivots_given_as_a_batch_field() -> None:
+    lu, piv = torch.linalg.lu_factor(_BATCH)
+    op = lambda a, p: torch.cat([t.flatten() for t in torch.lu_unpack(a, p)])  # noqa: E731
+    assert not _differences(op, [lu], (piv,))
+
+
+@pytest.mark.parametrize(
+    ("a", "tau"), [(_TALL, _TAU), (_BATCH, _TAUS), (_TALL, _TAU[:2])], ids=["tall", "batch", "k"]
+)
+def test_householder_product_equals_torch(a: torch.Tensor, tau: torch.Tensor) -> None:
+    assert not _differences(torch.linalg.householder_product, [a, tau])
+
+
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_ormqr_equals_torch(left: bool, transpose: bool) -> None:
+    other = torch.randn(6, 3, generator=_G) if left else torch.randn(3, 6, generator=_G)
+    op = lambda a, t, c: torch.ormqr(a, t, c, left=left, transpose=transpose)  # noqa: E731
+    assert not _differences(op, [_TALL, _TAU, other])
+
+
+_DATA = torch.tensor([[1.0, 2], [3, 0], [3, 5], [-1, 5], [0.5, 2], [4, 4]])
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
+_SEGMENTS: dict[str, Callable[..., torch.Tensor]] = {
+    f"{reduce}_{given}_{initial}": (
+        lambda x, n, r=reduce, g=given, i=initial: (
+            torch.segment_reduce(x, r, lengths=n, initial=i)
+            if g == "lengths"
+            else torch.segment_reduce(x, r, offsets=_offsets(n), initial=i)
+        )
+    )
+    for reduce in ("sum", "mean", "max", "min")
+    for given in ("lengths", "offsets")
+    for initial in (None, 3.5)
+}
+
+
+@pytest.mark.parametrize("form", sorted(_SEGMENTS))
+def test_segment_reduce_equals_torch(form: str) -> None:
+    """Ties (3 and 3, 5 and 5) split their gradient as torch's; an empty segment gives
+    ``initial``; the lengths are a batch field (traced)."""
+    empty = not form.endswith("None")  # (without initial torch gives it -inf, inf or NaN)
+    lengths = torch.tensor([1, 3, 0, 2] if empty else [1, 3, 2])
+    assert not _differences(_SEGMENTS[form], [_DATA], (lengths,))
+
+
+def test_normal_of_two_numbers_draws_from_the_steps_key() -> None:
+    class Draw(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.normal(1.5, 0.25, (400,), dtype=torch.float32)
+
+    fns = torch_model_fns(Draw(), ("x",))
+    run: Any = lambda k: np.asarray(  # noqa: E731
+        fns.apply({}, {}, {"x": jnp.zeros(())}, jax.random.key(k), True)[0]
+    )
+    one, two = run(0), run(1)
+    assert one.shape == (400,) and one.dtype == np.float32
+    assert not np.allclose(one, two)
+    assert abs(one.mean() - 1.5) < 0.1 and abs(one.std() - 0.25) < 0.05
