@@ -163,6 +163,50 @@ def test_lightnings_model_summary_gives_way_to_coreshells_table(capsys):
     assert "JAX params on mesh {'data': 1, 'model': 1}:" in capsys.readouterr().out
 
 
+def test_lightnings_rich_bar_under_max_steps_reads_the_epoch_without_a_bogus_total():
+    """The README's library example (`L.Trainer(max_steps=300)`): Lightning's Rich bar read
+    `Epoch 15/-2` (max_epochs=-1 less one); during the module's run it reads `Epoch 15`, and
+    the bar is Lightning's own again after."""
+    import jax
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import RichProgressBar
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import jaxcore
+    from jaxcore.models.digits import MLP
+    from torchshell import JaxModule
+
+    seen: list[str] = []
+
+    class Spy(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            bar = trainer.progress_bar_callback
+            seen.append(bar._get_train_description(trainer.current_epoch).strip())
+
+    data = TensorDataset(torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    module = JaxModule(
+        MLP(features=(8,)),
+        jaxcore.softmax_cross_entropy,
+        jaxcore.make_optimizer(lr=1e-2),
+        mesh=jaxcore.make_mesh({"data": 1, "model": 1}, jax.devices()[:1]),
+    )
+    trainer = L.Trainer(
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[Spy()],
+    )
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, RichProgressBar), bar  # Lightning's default where rich is installed
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    assert seen == ["Epoch 0", "Epoch 1"], seen
+    assert bar._get_train_description(1).strip() == "Epoch 1/-2"  # Lightning's own, after
+
+
 def test_a_multirun_prints_one_config_line_per_job_and_no_hydra_or_lightning_lines(
     tmp_path: Path,
 ):

@@ -15,6 +15,9 @@ after the run):
   processes are JAX's distributed runtime (``coreshell launch``).
 - callbacks that act on the torch weights or optimizer during fit (weight averaging,
   fine-tuning schedules, pruning, an accumulation schedule) -> refused, naming the fix.
+- the console: Lightning's model summary (0 torch params) is left out for the run (the
+  module prints its own table), and its Rich bar under ``max_steps`` alone reads ``Epoch 15``,
+  not ``Epoch 15/-2``.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ def adopt_flags(trainer: Any) -> tuple[TrainerFlags, dict[str, Any]]:
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "gradient_clip_val": trainer.gradient_clip_val,
         _SUMMARIES: _lightning_summaries(trainer),
+        _BAR: _epoch_alone(trainer),
     }
     trainer.accumulate_grad_batches = 1
     trainer.gradient_clip_val = None
@@ -170,11 +174,38 @@ def _lightning_summaries(trainer: Any) -> list[Any]:
     return [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
 
 
+_BAR = "(Lightning's Rich bar, its epoch alone)"
+
+
+def _epoch_alone(trainer: Any) -> Any:
+    """Under ``max_steps`` alone (``max_epochs=-1``), Lightning's Rich bar reads ``Epoch
+    15/-2`` (its last epoch index, ``max_epochs - 1``); for the run it reads ``Epoch 15``, as
+    Lightning's TQDM bar does. A bar whose class describes the epoch itself is left as it is.
+    Returns the bar changed (its own description given back after), or None."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = trainer.progress_bar_callback
+    lightnings = RichProgressBar._get_train_description
+    if not isinstance(bar, RichProgressBar) or type(bar)._get_train_description is not lightnings:
+        return None
+
+    def epoch_alone(current_epoch: int) -> str:  # (fit sets max_epochs after the attach)
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            return lightnings(bar, current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(bar.validation_description)}}"
+
+    bar._get_train_description = epoch_alone  # type: ignore[method-assign]  # (this run only)
+    return bar
+
+
 def restore_flags(trainer: Any, originals: dict[str, Any]) -> None:
     """Puts back the Trainer attributes :func:`adopt_flags` changed."""
     for name, value in originals.items():
         if name == _SUMMARIES:  # (to the list as the run left it: it may have added some)
             trainer.callbacks = [*trainer.callbacks, *value]
+        elif name == _BAR:
+            if value is not None:
+                vars(value).pop("_get_train_description", None)
         else:
             setattr(trainer, name, value)
 
