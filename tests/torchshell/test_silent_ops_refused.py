@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.torchshell.test_silent_ops import _differences
+from torchshell._errors import TorchModelError
 from torchshell.torch_model import torch_model_fns
 
 _G = torch.Generator().manual_seed(3)
@@ -107,3 +109,41 @@ def test_normal_of_two_numbers_draws_from_the_steps_key() -> None:
     assert one.shape == (400,) and one.dtype == np.float32
     assert not np.allclose(one, two)
     assert abs(one.mean() - 1.5) < 0.1 and abs(one.std() - 0.25) < 0.05
+
+
+_IMAGES = torch.randn(2, 3, 10, 14, generator=_G)
+_RESIZES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "down": lambda x: F.interpolate(x, size=(3, 5), mode="bilinear", antialias=True),
+    "up": lambda x: F.interpolate(x, size=(13, 20), mode="bilinear", antialias=True),
+    "mixed": lambda x: F.interpolate(x, size=(4, 21), mode="bilinear", antialias=True),
+    "scale": lambda x: F.interpolate(x, scale_factor=0.4, mode="bilinear", antialias=True),
+    "scale_2": lambda x: F.interpolate(x, scale_factor=(0.3, 0.5), mode="bilinear", antialias=True),
+    "aten": lambda x: torch.ops.aten._upsample_bilinear2d_aa(x, [4, 6], False),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_RESIZES))
+def test_antialiased_bilinear_interpolation_equals_torch(form: str) -> None:
+    assert not _differences(_RESIZES[form], [_IMAGES])
+
+
+def test_antialiased_with_align_corners_is_refused_with_a_fix_that_traces() -> None:
+    """torch's antialiased ``align_corners=True`` is not JAX's filter: refused, naming the
+    fix (``align_corners=False``, or ``antialias=False``), and each fix equals torch."""
+
+    class Resize(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.interpolate(
+                x, size=(3, 5), mode="bilinear", align_corners=True, antialias=True
+            )
+
+    fns = torch_model_fns(Resize(), ("x",))
+    with pytest.raises(TorchModelError, match=r"align_corners=True.*pass align_corners=False"):
+        fns.apply({}, {}, {"x": jnp.asarray(_IMAGES.numpy())}, jax.random.key(0), True)
+    for fixed in (
+        lambda x: F.interpolate(
+            x, size=(3, 5), mode="bilinear", align_corners=False, antialias=True
+        ),
+        lambda x: F.interpolate(x, size=(3, 5), mode="bilinear", align_corners=True),
+    ):
+        assert not _differences(fixed, [_IMAGES])

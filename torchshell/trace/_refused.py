@@ -4,7 +4,8 @@ torchax failed on each of these with a message whose fix ("call it with other ar
 could not be followed: ``torch.normal(mean, std, size)`` of two numbers (its lowering took no
 ``dtype``), ``torch.lu_unpack`` (slice bounds built as arrays, which JAX 0.7 refuses),
 ``torch.linalg.householder_product`` (no gradient rule in JAX), ``torch.ormqr`` and
-``torch.segment_reduce`` (no lowering; ``prod`` stays refused). Here each is written with
+``torch.segment_reduce`` (no lowering; ``prod`` stays refused), antialiased bilinear
+``F.interpolate`` (torchax's lowering called a tuple). Here each is written with
 JAX ops whose values and gradients are torch's (``tests/torchshell/test_silent_ops_refused.py``).
 """
 
@@ -173,6 +174,70 @@ def segment_reduce(
     return jnp.moveaxis(out.astype(data.dtype), 0, axis)
 
 
+def _antialiased(
+    x: jax.Array, size: Sequence[int], scale: Sequence[float], align_corners: bool
+) -> jax.Array:
+    """torch's triangle filter, widened by the downscale: JAX's ``scale_and_translate``."""
+    if align_corners:
+        raise NotImplementedError(
+            "antialiased bilinear interpolation with align_corners=True: pass "
+            "align_corners=False, or antialias=False (plain bilinear is lowered)"
+        )
+    out = jax.image.scale_and_translate(
+        x,
+        (*x.shape[:-2], *(int(n) for n in size)),
+        (x.ndim - 2, x.ndim - 1),
+        jnp.asarray(scale, jnp.float32),
+        jnp.zeros(2),
+        method="linear",
+        antialias=True,
+    )
+    return out.astype(x.dtype)
+
+
+def upsample_bilinear2d_aa(
+    x: jax.Array,
+    output_size: Sequence[int] | None,
+    align_corners: bool,
+    scale_factors: Sequence[float] | None = None,
+) -> jax.Array:
+    """``F.interpolate(x, size or scale_factor, mode="bilinear", antialias=True)``.
+
+    Example:
+        >>> upsample_bilinear2d_aa(jnp.ones((1, 1, 4, 4)), (2, 2), False).shape
+        (1, 1, 2, 2)
+    """
+    h, w = x.shape[-2:]
+    if output_size is not None:
+        return _antialiased(x, output_size, (output_size[0] / h, output_size[1] / w), align_corners)
+    assert scale_factors is not None  # (torch passes one of the two)
+    size = (int(h * scale_factors[0]), int(w * scale_factors[1]))
+    return _antialiased(x, size, scale_factors, align_corners)
+
+
+def upsample_bilinear2d_aa_sized(
+    x: jax.Array,
+    output_size: Sequence[int] | None,
+    align_corners: bool,
+    *scales: Any,
+    scale_factors: Sequence[float] | None = None,
+    scales_h: float | None = None,
+    scales_w: float | None = None,
+) -> jax.Array:
+    """``aten._upsample_bilinear2d_aa`` of either overload (torch's call through the op's
+    packet reaches here with its arguments as given): a size and torch's own scales, or
+    ``scale_factors``."""
+    if scales and isinstance(scales[0], Sequence):
+        scale_factors = scales[0]
+    elif scales:
+        scales_h, scales_w = (*scales, None)[:2]
+    if output_size is None:
+        return upsample_bilinear2d_aa(x, None, align_corners, scale_factors)
+    h, w = x.shape[-2:]
+    scale = (scales_h or output_size[0] / h, scales_w or output_size[1] / w)
+    return _antialiased(x, output_size, scale, align_corners)
+
+
 def refused_lowerings() -> dict[Any, Callable[..., Any]]:
     """The aten ops lowered here, for the trace's environment."""
     aten = torch.ops.aten
@@ -181,6 +246,9 @@ def refused_lowerings() -> dict[Any, Callable[..., Any]]:
         aten.linalg_householder_product.default: householder_product,
         aten.ormqr.default: ormqr,
         aten.segment_reduce.default: segment_reduce,
+        aten._upsample_bilinear2d_aa.vec: upsample_bilinear2d_aa,
+        aten._upsample_bilinear2d_aa.default: upsample_bilinear2d_aa_sized,
+        aten._upsample_bilinear2d_aa: upsample_bilinear2d_aa_sized,  # (op_db calls the packet)
     }
 
 
