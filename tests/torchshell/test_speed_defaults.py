@@ -289,3 +289,40 @@ def test_a_loaders_own_collate_gets_the_rows_torch_would_give_it(collate: Any) -
 
     for a, b in zip(plain, gathered, strict=True):
         check(a, b)
+
+
+def test_a_stateful_loader_is_read_by_gathers_and_resumes_as_its_own() -> None:
+    """torchdata's ``StatefulDataLoader`` over a ``TensorDataset`` is read by gathers too:
+    the same batches, and a ``state_dict`` taken mid-epoch resumes to the loader's own rest."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchshell.data._gathered import gatherable, read_by_gathers, read_normally
+
+    def loader() -> StatefulDataLoader:
+        data = _shuffled(0).dataset
+        return StatefulDataLoader(
+            data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
+
+    def equal(a: list[Any], b: list[Any]) -> None:
+        assert len(a) == len(b)
+        for u, v in zip(a, b, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(u, v, strict=True))
+
+    plain = iter(loader())
+    head = [next(plain) for _ in range(3)]
+    tail = list(plain)
+    gathered = loader()
+    assert gatherable(gathered)
+    read_by_gathers(gathered)
+    it = iter(gathered)
+    equal([next(it) for _ in range(3)], head)
+    state = gathered.state_dict()
+    equal(list(it), tail)
+    resumed = loader()
+    read_by_gathers(resumed)
+    resumed.load_state_dict(state)
+    equal(list(resumed), tail)
+    assert type(iter(resumed)._dataset_fetcher).__name__ == "_Gather"
+    read_normally(resumed)
+    assert "_get_iterator" not in vars(resumed)

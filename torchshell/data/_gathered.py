@@ -6,8 +6,10 @@ here, a third of a small model's step. Indexing each tensor once with the batch'
 ``[x[idx], y[idx]]``, gives the same list of tensors (values, dtypes, shapes, layout) in
 ~40 µs. While a ``JaxModule`` runs (fit, validate, test, predict), its loaders that read a
 ``TensorDataset`` in batches in this process (no workers) read them this way (undone in the
-module's ``teardown``): the loader's own iterator still draws the indices (sampler, shuffle
-seed, ``drop_last``, pinning unchanged), only the fetch of the rows is replaced.
+module's ``teardown``); torchdata's ``StatefulDataLoader`` over a ``TensorDataset`` too (its
+own iterator keeps its state: ``state_dict``/``load_state_dict`` resume as before). The
+loader's own iterator still draws the indices (sampler, shuffle seed, ``drop_last``, pinning
+unchanged), only the fetch of the rows is replaced.
 
 A loader with its own ``collate_fn`` (``lambda rows: {"x": ..., "y": ...}``) still gets
 its rows: one gather per tensor, then the gathered tensors' rows (``unbind``: views, no
@@ -25,14 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+_PLAIN = (DataLoader, StatefulDataLoader)  # loaders whose iterators fetch by `_dataset_fetcher`
 
 
 class _Gather:
     """Stands in for torch's map-style fetcher: ``fetch(indices)`` gathers each tensor
     (and hands a loader's own ``collate_fn`` the gathered rows)."""
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], collate: Any = default_collate):
-        self.tensors = tensors
+    def __init__(self, dataset: TensorDataset, collate: Any = default_collate):
+        self.dataset = dataset  # (what a StatefulDataLoader's iterator reads for its state)
+        self.tensors = dataset.tensors
         self.collate = collate
 
     def fetch(self, index: Any) -> Any:
@@ -55,13 +61,14 @@ def _take(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
 
 
 def _gathering_iterator(loader: DataLoader) -> Any:
-    it = DataLoader._get_iterator(loader)  # the loader's own: indices, seed, pinning
-    it._dataset_fetcher = _Gather(loader.dataset.tensors, loader.collate_fn)  # type: ignore[attr-defined]
+    it = type(loader)._get_iterator(loader)  # the loader's own: indices, seed, pinning, state
+    it._dataset_fetcher = _Gather(loader.dataset, loader.collate_fn)  # type: ignore[attr-defined]
     return it
 
 
 def gatherable(loader: Any) -> bool:
-    """Whether ``loader`` reads a plain ``TensorDataset`` in batches, in this process.
+    """Whether ``loader`` (a ``DataLoader`` or torchdata's ``StatefulDataLoader``, not a
+    subclass) reads a plain ``TensorDataset`` in batches, in this process.
 
     Example:
         >>> data = TensorDataset(torch.arange(6.0), torch.arange(6))
@@ -71,7 +78,7 @@ def gatherable(loader: Any) -> bool:
         (True, True, False)
     """
     return (
-        type(loader) is DataLoader
+        type(loader) in _PLAIN
         and type(loader.dataset) is TensorDataset
         and loader.num_workers == 0
         and loader.batch_sampler is not None
