@@ -7,7 +7,13 @@ user writes it (no recipe data module, nothing written for coreshell):
   stacks the rows into ``{"x": ..., "y": ...}``;
 - ``"TensorDataset tuples"``: ``DataLoader(TensorDataset(x, y))``, batches ``[x, y]``;
 - ``"Dataset class"``: the user's own map-style ``Dataset`` whose ``__getitem__`` returns one
-  row as a dict (the default collate stacks them).
+  row as a dict (the default collate stacks them);
+- ``"torchdata StatefulDataLoader"``: torchdata's ``StatefulDataLoader(TensorDataset(x, y))``,
+  the resumable loader, batches ``[x, y]``;
+- ``"IterableDataset"``: the user's own ``IterableDataset`` yielding ``(x, y)`` rows in a
+  shuffled order of its own, batched by a ``DataLoader``;
+- ``"own batch_sampler"``: ``DataLoader(TensorDataset(x, y), batch_sampler=...)`` with the
+  user's own ``Sampler`` class yielding shuffled lists of 64 indices.
 
 Every path below iterates the same loader object of a form:
 
@@ -23,14 +29,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
 import jaxcore
 from benchmarks._peers import (
@@ -47,7 +53,14 @@ Path = Callable[[int], tuple[float, int]]
 BATCH = 64
 
 
-FORMS = ("dict collate", "TensorDataset tuples", "Dataset class")
+FORMS = (
+    "dict collate",
+    "TensorDataset tuples",
+    "Dataset class",
+    "torchdata StatefulDataLoader",
+    "IterableDataset",
+    "own batch_sampler",
+)
 
 
 def stack_to_dict(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -69,6 +82,41 @@ class DigitsRows(Dataset[dict[str, torch.Tensor]]):
         return {"x": self.x[i], "y": self.y[i]}
 
 
+class DigitsStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A user's own ``IterableDataset``: ``(x, y)`` rows, shuffled anew on every pass.
+
+    It has a ``__len__`` (its rows), as torch's docs allow: Keras' ``fit`` on a loader needs
+    the loader's length to count its epochs.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> None:
+        self.x, self.y = x, y
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in torch.randperm(len(self.x), generator=self.generator).tolist():
+            yield self.x[i], self.y[i]
+
+
+class ShuffledBatches(Sampler[list[int]]):
+    """A user's own batch sampler: shuffled lists of ``batch_size`` indices, the last short."""
+
+    def __init__(self, n: int, batch_size: int, seed: int = 0) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        for start in range(0, self.n, self.batch_size):
+            yield order[start : start + self.batch_size]
+
+
 def digits_loader(form: str = "TensorDataset tuples", batch_size: int = BATCH) -> DataLoader[Any]:
     """scikit-learn's digits as a user loads them, in one of :data:`FORMS`, shuffled."""
     from sklearn.datasets import load_digits
@@ -87,6 +135,14 @@ def digits_loader(form: str = "TensorDataset tuples", batch_size: int = BATCH) -
         return DataLoader(TensorDataset(x, y), **kwargs)
     if form == "Dataset class":
         return DataLoader(DigitsRows(x, y), **kwargs)
+    if form == "torchdata StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(TensorDataset(x, y), **kwargs)  # type: ignore[no-any-return]
+    if form == "IterableDataset":
+        return DataLoader(DigitsStream(x, y), batch_size=batch_size)
+    if form == "own batch_sampler":
+        return DataLoader(TensorDataset(x, y), batch_sampler=ShuffledBatches(len(x), batch_size))
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
 
 

@@ -1,9 +1,11 @@
 """The headline benchmark: the user's own DataLoader, coreshell at its defaults.
 
 A ``DataLoader`` over scikit-learn's digits (batch 64, shuffled, int64 labels as
-``torch.tensor`` makes them), in each of the three forms users bring (``_user_path.FORMS``:
+``torch.tensor`` makes them), in each of the forms users bring (``_user_path.FORMS``:
 a ``TensorDataset`` with a collate that makes a dict, the plain ``TensorDataset``'s tuples,
-a map-style ``Dataset`` class read row by row), is the one loader object every path reads:
+a map-style ``Dataset`` class read row by row, torchdata's ``StatefulDataLoader``, an
+``IterableDataset`` of rows, the user's own batch sampler), is the one loader object every
+path reads:
 
 - (a) coreshell exactly as the README writes it: ``JaxModule(MLP(), loss, optimizer)`` under
   ``trainer.fit(module, loader)``; its defaults (``steps_per_call="auto"``, the mesh over every
@@ -197,7 +199,8 @@ def main() -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    for pattern in (".*does not have many workers.*", ".*Skipping val loop.*"):
+    quiet = (".*does not have many workers.*", ".*Skipping val loop.*", ".*has `__len__` defined.*")
+    for pattern in quiet:  # (Lightning's notes on the user's loaders, not on coreshell)
         warnings.filterwarnings("ignore", pattern)
     warmup = 40
     if args.tiny:
