@@ -1,8 +1,12 @@
 """Ops the op database sweep found refused with a fix that could not be followed (issue #52):
 ``torch.normal(mean, std, size)`` of two numbers, ``torch.lu_unpack``,
-``torch.linalg.householder_product``, ``torch.ormqr`` and ``torch.segment_reduce`` (lengths
-or offsets, traced too). Now lowered (``torchshell/trace/_refused.py``): values and every
-gradient against torch eager; the draw from the step's key, new with each key."""
+``torch.linalg.householder_product``, ``torch.ormqr``, ``torch.segment_reduce`` (lengths
+or offsets, traced too), antialiased bilinear ``F.interpolate`` and
+``aten.max_pool2d_with_indices_backward``. Now lowered (``torchshell/trace/_refused.py``):
+values and every gradient against torch eager; the draw from the step's key, new with each
+key. The ops still refused (``eig``/``eigvals``, ``chalf``, fractional max pooling,
+``to_sparse``) name a rewrite (``trace/_op_fixes.py``), and the rewrite traces and equals
+torch."""
 
 from __future__ import annotations
 
@@ -147,3 +151,75 @@ def test_antialiased_with_align_corners_is_refused_with_a_fix_that_traces() -> N
         lambda x: F.interpolate(x, size=(3, 5), mode="bilinear", align_corners=True),
     ):
         assert not _differences(fixed, [_IMAGES])
+
+
+_SQUARE = torch.randn(4, 4, generator=_G)
+_POOLED = torch.randn(1, 2, 6, 6, generator=_G)
+# each refusal: what torch's op database calls, the message it must give, the fix it names
+_REFUSALS: dict[str, tuple[Callable[..., Any], str, Callable[..., Any], torch.Tensor]] = {
+    "eigvals": (
+        lambda a: torch.linalg.eigvals(a).real,
+        r"`aten::linalg_eig`.*Fix: for a symmetric \(Hermitian\) matrix call torch.linalg.eigh",
+        torch.linalg.eigvalsh,
+        _SQUARE + _SQUARE.T,
+    ),
+    "eig": (
+        lambda a: torch.linalg.eig(a)[0].real,
+        r"`aten::linalg_eig`.*Fix: for a symmetric",
+        lambda a: torch.linalg.eigh(a)[0],
+        _SQUARE + _SQUARE.T,
+    ),
+    "chalf": (
+        lambda x: torch.view_as_real(x.chalf()).float(),
+        r"JAX has no complex32.*Fix: use complex64 \(x.to\(torch.complex64\), x.cfloat\(\)\)",
+        lambda x: torch.view_as_real(x.cfloat()),
+        _SQUARE,
+    ),
+    "fractional_max_pool2d": (
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=3),
+        r"`aten::fractional_max_pool2d`.*Fix: pool with fixed windows instead: "
+        r"F.adaptive_max_pool2d\(x, output_size\)",
+        lambda x: F.adaptive_max_pool2d(x, 3),
+        _POOLED,
+    ),
+    "fractional_max_pool3d": (
+        lambda x: F.fractional_max_pool3d(x, 2, output_size=3),
+        r"`aten::fractional_max_pool3d`.*F.adaptive_max_pool3d\(x, output_size\)",
+        lambda x: F.adaptive_max_pool3d(x, 3),
+        torch.randn(1, 2, 6, 6, 6, generator=_G),
+    ),
+    "to_sparse": (
+        lambda x: torch.sparse.mm(x.to_sparse(), x),
+        r"`aten::_to_sparse`.*Fix: keep the tensor dense .*torch.sparse.mm\(a, b\) of dense "
+        r"tensors is a @ b",
+        lambda x: x @ x,
+        _SQUARE,
+    ),
+}
+
+
+# (torch eager's own note when x.chalf() makes a complex32 tensor)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.parametrize("name", sorted(_REFUSALS))
+def test_a_refusal_names_the_op_and_a_fix_that_traces(name: str) -> None:
+    """Refused (no JAX lowering with torch's values and gradients), naming the op and a
+    rewrite; the rewrite traces and equals torch, values and gradients."""
+    refused, message, fixed, x = _REFUSALS[name]
+    with pytest.raises(TorchModelError, match=message):
+        _differences(refused, [x])
+    assert not _differences(fixed, [x])
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_max_pool_backward_called_as_an_op_equals_torch(pairs: bool) -> None:
+    """op_db's own call (single ints, ``ceil_mode``: torchax refused it) and pairs (torchax
+    gave every element the first gradient, silently)."""
+    x = torch.randn(2, 2, 5, 6, generator=_G)
+    out, idx = F.max_pool2d(x, 3, 2, ceil_mode=True, return_indices=True)
+    grad = torch.randn(out.shape, generator=_G)
+    pool = ([3, 3], [2, 2], [0, 0], [1, 1]) if pairs else (3, 2, 0, 1)
+
+    def backward(g: torch.Tensor, x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.max_pool2d_with_indices_backward(g, x, *pool, True, i)
+
+    assert not _differences(backward, [grad], (x, idx))

@@ -11,6 +11,7 @@ import jax
 
 from jaxcore._errors import JaxCoreError
 from torchshell._errors import TorchModelError
+from torchshell.trace._op_fixes import op_fix
 
 DATA_DEPENDENT = (
     jax.errors.ConcretizationTypeError,
@@ -171,17 +172,22 @@ def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) ->
     if type(err).__name__ == "OperatorNotFound":
         found = re.search(r"name (\S+) has no lowering", str(err))
         op = found.group(1) if found else str(err)
-        return TorchModelError(
-            f"torchax cannot lower the op `{op}`, called in module {path}{at} ({mode} mode). "
+        fix = op_fix(op, err) or (
             "Expected a forward made of ops torchax lowers to JAX. Fix: replace that layer "
-            f"with an equivalent made of supported ops, {FLAX_ROUTE}"
+            "with an equivalent made of supported ops, "
+        )
+        return TorchModelError(
+            f"torchax cannot lower the op `{op}`, called in module {path}{at} ({mode} mode): "
+            f"{fix}{FLAX_ROUTE}"
         )
     if (failed := failing_op(err)) is not None:
+        fix = op_fix(failed, err) or (
+            "Expected arguments its JAX lowering supports. Fix: call it with other arguments "
+            "(or an equivalent op), "
+        )
         return TorchModelError(
             f"torchax failed to lower the op `{failed}` with these arguments, called in module "
-            f"{path}{at} ({mode} mode): {type(err).__name__}: {err}. Expected arguments its "
-            "JAX lowering supports. Fix: call it with other arguments (or an equivalent op), "
-            f"{FLAX_ROUTE}"
+            f"{path}{at} ({mode} mode): {type(err).__name__}: {err}. {fix}{FLAX_ROUTE}"
         )
     if isinstance(err, jax.errors.NonConcreteBooleanIndexError):
         return TorchModelError(
@@ -235,9 +241,13 @@ def lowering_error(err: BaseException, names: Mapping[int, str], train: bool) ->
             f"torchax has no lowering for the op `{op}`, called in module {path}{at} ({mode} "
             "mode): torchax lowers aten (and torchvision) ops to JAX and hands any other op to "
             "its own C++ kernel, which cannot read traced JAX values (torchax said: "
-            f"{type(err).__name__}: {str(err)[:120]}...). Expected a forward (and loss) "
-            "made of ops torchax lowers. Fix: compute it with torch ops (or a JAX loss_fn), "
-            f"{FLAX_ROUTE}"
+            f"{type(err).__name__}: {str(err)[:120]}...). "
+            + (
+                op_fix(op, err)
+                or "Expected a forward (and loss) made of ops torchax lowers. Fix: compute it "
+                "with torch ops (or a JAX loss_fn), "
+            )
+            + FLAX_ROUTE
         )
     if is_raw(err) and "cond branches" in str(err):
         return TorchModelError(

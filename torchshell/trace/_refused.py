@@ -238,6 +238,27 @@ def upsample_bilinear2d_aa_sized(
     return _antialiased(x, output_size, scale, align_corners)
 
 
+def max_pool2d_backward(
+    grad: jax.Array, x: jax.Array, *pool: Any, indices: jax.Array | None = None
+) -> jax.Array:
+    """``aten.max_pool2d_with_indices_backward(grad, x, kernel, stride, padding, dilation,
+    ceil_mode, indices)``: each gradient added at its index (flat in each plane), as torch;
+    the pooling arguments are in ``indices`` already.
+
+    Example:
+        >>> g = max_pool2d_backward(jnp.ones((1, 1, 1, 1)), jnp.zeros((1, 1, 2, 2)), 2, 2,
+        ...                         0, 1, False, jnp.array([[[[3]]]]))
+        >>> g.reshape(-1).tolist()
+        [0.0, 0.0, 0.0, 1.0]
+    """
+    if indices is None:
+        indices = pool[-1]
+    flat = jnp.zeros((*x.shape[:-2], x.shape[-2] * x.shape[-1]), grad.dtype)
+    lead = jnp.indices((*indices.shape[:-2], 1), sparse=True)[:-1]
+    at = (*lead, indices.reshape((*indices.shape[:-2], -1)))
+    return flat.at[at].add(grad.reshape((*grad.shape[:-2], -1))).reshape(x.shape)
+
+
 def refused_lowerings() -> dict[Any, Callable[..., Any]]:
     """The aten ops lowered here, for the trace's environment."""
     aten = torch.ops.aten
@@ -246,6 +267,8 @@ def refused_lowerings() -> dict[Any, Callable[..., Any]]:
         aten.linalg_householder_product.default: householder_product,
         aten.ormqr.default: ormqr,
         aten.segment_reduce.default: segment_reduce,
+        aten.max_pool2d_with_indices_backward.default: max_pool2d_backward,
+        aten.max_pool2d_with_indices_backward: max_pool2d_backward,  # (op_db calls the packet)
         aten._upsample_bilinear2d_aa.vec: upsample_bilinear2d_aa,
         aten._upsample_bilinear2d_aa.default: upsample_bilinear2d_aa_sized,
         aten._upsample_bilinear2d_aa: upsample_bilinear2d_aa_sized,  # (op_db calls the packet)
