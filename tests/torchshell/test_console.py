@@ -34,7 +34,7 @@ PROMISED = re.compile(
             r"^\w[\w./]*\s+[\d.,]+( [KMB])?\s+[\d.]+ (B|KiB|MiB|GiB)(\s|$)",
             r"^train steps ",  # the progress bar
             r"^MLflow run '",  # the end summary
-            r"^  (metrics|torch weights|open it with): ",
+            r"^  (metrics|torch weights|open it with|stopped): ",
             r"^  compile cache ",
             r"^wrote \S+ \(onnx, \d+ tensors\)$",  # `coreshell export`
             r"^  onnxruntime vs torch: max abs diff ",
@@ -79,6 +79,38 @@ def test_the_readme_commands_print_only_the_promised_lines(tmp_path: Path):
     assert "(DigitsDataModule, Flax MLP)" in train and "rules dp (params replicated)" in train
     assert re.search(r"parity max abs diff \S+: ok at fp32, tolerance 1e-04", train)
     assert "open it with: " in train and "wrote runs/first/export/model.onnx" in export
+    assert "\n  stopped: max_steps=20 reached\n" in train  # Lightning's line, folded
+    assert "\n  stopped: max_steps=30 reached\n" in resumed
+
+
+def test_lightnings_stop_line_is_folded_into_the_end_summary_and_its_warnings_stay(capsys):
+    """Lightning's rank-zero '`Trainer.fit` stopped: `max_steps=20` reached.' was a line of
+    its own; in quiet mode it is the end summary's `stopped:` line (taken once), while the
+    same logger's other lines still print. Verbose (no configure) keeps Lightning's line."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+    from lightning_utilities.core.rank_zero import log  # (named by the Lightning imported)
+
+    seen: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(catch)
+    kept = list(log.filters)
+    log.filters[:] = []
+    try:
+        rank_zero_info("`Trainer.fit` stopped: `max_steps=20` reached.")
+        assert seen and quiet.stopped() is None  # not configured: Lightning's own line
+        seen.clear()
+        quiet.configure(verbose=False)
+        rank_zero_info("`Trainer.fit` stopped: `max_steps=20` reached.")
+        rank_zero_info("`Trainer.fit` stopped: `max_epochs=3` reached.")
+        rank_zero_info("an INFO line of Lightning's that concerns the user")
+        with pytest.warns(UserWarning, match="a warning"):
+            rank_zero_warn("a warning")
+    finally:
+        log.removeHandler(catch)
+        log.filters[:] = kept
+    assert seen == ["an INFO line of Lightning's that concerns the user"], seen
+    assert quiet.stopped() == "max_epochs=3" and quiet.stopped() is None
 
 
 def test_onnx_exports_notes_on_torchvision_ops_are_dropped():

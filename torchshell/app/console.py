@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import RichProgressBar
 
 from torchshell.adapters._logs import OWN
+from torchshell.app import quiet
 
 if TYPE_CHECKING:
     import lightning as L
@@ -214,6 +215,9 @@ def end_summary(
         f"{cfg.tracking.run_name!r} ({report.run_id})" if cfg.tracking.run_name else report.run_id
     )
     print(f"\nMLflow run {name} in {where}")
+    stop = quiet.stopped()  # Lightning's own line, folded here in quiet mode
+    if stop is not None:
+        print(f"  stopped: {stop} reached")
     if not report.complete:
         print(f"  tracking: {report}")
     print(f"  metrics: {shown}")

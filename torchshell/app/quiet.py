@@ -18,9 +18,15 @@ from pathlib import Path
 
 # Lightning's rank-zero INFO lines that are not a coreshell user's (see _LOG_LINES)
 _LIGHTNING_INFO = (
-    r"^(GPU|TPU|HPU) available: |^💡 Tip: |^`Trainer\.fit` stopped: `max_steps="
-    r"|^Restor(ing|ed all) states from the checkpoint"
+    r"^(GPU|TPU|HPU) available: |^💡 Tip: |^Restor(ing|ed all) states from the checkpoint"
 )
+
+# Lightning's rank-zero logger, by both its names (see _LOG_LINES)
+_RANK_ZERO = ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero")
+
+# Lightning's line when a fit reaches its limit: folded into the end summary (`stopped:`)
+_STOPPED = re.compile(r"^`Trainer\.fit` stopped: `(max_(?:steps|epochs)=\S+)` reached\.$")
+_stops: list[str] = []
 
 # (logger, message pattern, why it is noise for a coreshell user)
 _LOG_LINES = [
@@ -41,18 +47,15 @@ _LOG_LINES = [
             name,
             _LIGHTNING_INFO,
             "Lightning runs on one CPU process by design (JAX owns the devices), so its device "
-            "report is always 'not used'; the litlogger advert; the stop at max_steps is what "
-            "the progress bar shows; the checkpoint a resumed run restores is in the config "
-            "line (Lightning said it twice: through its own handler and Hydra's). Both names: "
-            "Lightning's rank-zero logger is one object shared by `lightning` and the "
+            "report is always 'not used'; the litlogger advert; the checkpoint a resumed run "
+            "restores is in the config line (Lightning said it twice: through its own handler "
+            "and Hydra's). Both names: Lightning's rank-zero logger is one object shared by "
+            "`lightning` and the "
             "standalone `pytorch_lightning`, named by whichever was imported last "
             "(`mlflow.pytorch` imports `pytorch_lightning` when a run logs its model: the "
             "second job of a sweep printed these lines under that name).",
         )
-        for name in (
-            "lightning.pytorch.utilities.rank_zero",
-            "pytorch_lightning.utilities.rank_zero",
-        )
+        for name in _RANK_ZERO
     ],
     (
         "hydra._internal.core_plugins.basic_launcher",
@@ -138,6 +141,30 @@ class _Drop(logging.Filter):
         return not self.pattern.search(record.getMessage())
 
 
+class _FoldStop(logging.Filter):
+    """Lightning's ```Trainer.fit` stopped: `max_steps=20` reached.``: kept for the end
+    summary's ``stopped:`` line (:func:`stopped`), not printed on its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = _STOPPED.match(record.getMessage())
+        if found is not None:
+            _stops.append(found.group(1))
+        return found is None
+
+
+def stopped() -> str | None:
+    """The limit the last fit reached (``max_steps=20``), when its line was folded (quiet
+    mode); None otherwise (``--verbose`` shows Lightning's line). Taken once.
+
+    Example:
+        >>> stopped() is None
+        True
+    """
+    stop = _stops[-1] if _stops else None
+    _stops.clear()
+    return stop
+
+
 def _logger(name: str) -> logging.Logger:
     """The logger ``name`` as its library makes it: absl's is an ``ABSLLogger`` that absl
     creates on import (a plain logger made here first would be the one absl gets)."""
@@ -150,7 +177,7 @@ def _logger(name: str) -> logging.Logger:
 
 def configure(verbose: bool) -> None:
     """Silences the known noise (see ``_LOG_LINES``, ``_LOGGER_LEVELS`` and ``_WARNINGS``)
-    unless ``verbose``.
+    and folds Lightning's stop line into the end summary (:func:`stopped`) unless ``verbose``.
 
     Idempotent: a sweep configures once per job.
 
@@ -167,6 +194,11 @@ def configure(verbose: bool) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(_Drop(pattern))
+    _stops.clear()  # (a sweep's job starts with none)
+    for name in _RANK_ZERO:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FoldStop) for f in logger.filters):
+            logger.addFilter(_FoldStop())
     for category, pattern, module, _why in _WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category, module=module)
 
