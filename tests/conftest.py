@@ -2,6 +2,10 @@
 
 import os
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 # XLA's CPU backend unoptimised (benchmarks/_runs.SMOKE_XLA_FLAGS, as the tiny benchmark runs
 # and gpu.sh/tpu.sh's dry runs): most of the suite's CPU is cold compiles of tiny steps (65% in
@@ -16,6 +20,16 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 # coreshell train's compile cache (conf/config.yaml: step.compile_cache_dir) stays out of
 # the real ~/.cache/coreshell during tests, for this process and the CLIs it starts.
 os.environ.setdefault("CORESHELL_CACHE_DIR", tempfile.mkdtemp(prefix="coreshell-test-cache-"))
+# The test processes use that cache too (JAX's persistent compilation cache, every compile):
+# many tests compile the same tiny programs (the digits MLP's step, the same shapes), each in
+# a new jitted function, so JAX's in-memory caches miss and XLA compiled each again; a cache
+# hit reads the executable XLA wrote for an identical program (same HLO, flags and devices),
+# so every value is the same. test_user_batches.py + test_speed_defaults.py: 81 -> 65 CPU-s
+# (the zoo: no change, its programs differ). An in-process
+# `coreshell train` (prepare_run) switches to this same directory; a test that turns the
+# cache off or elsewhere (jaxcore/test_compile.py, compile_cache_dir=null) gets it back only
+# after it ends (_compile_cache below). The children a test starts choose their own cache.
+COMPILE_CACHE = Path(os.environ["CORESHELL_CACHE_DIR"]).expanduser().resolve() / "jax"
 
 # The files that take minutes, longest first. `make test`'s two workers take whole files in
 # collection order (`--dist loadfile --no-loadscope-reorder`, Makefile): the long files start
@@ -50,3 +64,15 @@ SLOW_FIRST = (
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {path: i for i, path in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache() -> Iterator[None]:
+    """Each test starts with the suite's persistent compilation cache on (see above)."""
+    import jax
+
+    import jaxcore
+
+    if jax.config.jax_compilation_cache_dir != str(COMPILE_CACHE):
+        jaxcore.enable_compile_cache(COMPILE_CACHE)
+    yield
