@@ -62,7 +62,7 @@ def _take(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
 
 def _gathering_iterator(loader: DataLoader) -> Any:
     it = type(loader)._get_iterator(loader)  # the loader's own: indices, seed, pinning, state
-    it._dataset_fetcher = _Gather(loader.dataset, loader.collate_fn)  # type: ignore[attr-defined]
+    it._dataset_fetcher = _Gather(loader.dataset, loader.collate_fn)  # type: ignore[attr-defined,arg-type]
     return it
 
 
