@@ -16,12 +16,16 @@ result as torch's own float32 result is, within 10x, or closer); ``random`` (an 
 draws: not compared by value, its draws vary with the step's key); ``different`` (silently:
 the values or gradients differ); ``error`` (a raw exception of the trace, not coreshell's);
 ``skipped`` (nothing to compare: no floating output, a sparse tensor, torch eager itself
-fails, or its float32 result is over 1000x the tolerance from its float64 one).
+fails, or its float32 result is over 1000x the tolerance from its float64 one; or only its
+gradients differ where torch's own OpInfo marks its backward gradient an expected failure,
+``TestBwdGradients.test_fn_grad``: ``as_strided_scatter``, whose gradient for ``self`` torch
+2.9 puts on the scattered region instead of off it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import unittest
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -268,6 +272,9 @@ def compare(op: Any, sample: Any, *, random: bool = False) -> Outcome:
     errors = [_scaled_error(g, w) for g, w in zip(got, want, strict=True)]
     if max(errors) <= 1.0:
         return Outcome("equal")
+    values_equal = errors[0] <= 1.0 and max(errors[1 + len(grad) :], default=0.0) <= 1.0
+    if values_equal and torch_gradient_known_wrong(op):
+        return Outcome("skipped", "values equal; torch's own OpInfo marks its gradient wrong")
     what = ["loss", *(f"gradient of input {i}" for i in grad)]
     what += [f"output {i}" for i in range(len(outs)) if i not in eager.diff]
     detail = "; ".join(
@@ -293,6 +300,17 @@ def compare(op: Any, sample: Any, *, random: bool = False) -> Outcome:
     if all(o <= max(1.0, 10 * t) for o, t in zip(ours, torchs, strict=True)):
         return Outcome("noise", f"off by {max(errors):.3g} x tolerance; torch float32 too")
     return Outcome("different", detail)
+
+
+def torch_gradient_known_wrong(op: Any) -> bool:
+    """Whether ``op``'s OpInfo marks its backward gradient test an expected failure (torch's
+    own gradient is not the reference there)."""
+    return any(
+        getattr(d, "cls_name", None) == "TestBwdGradients"
+        and getattr(d, "test_name", None) == "test_fn_grad"
+        and unittest.expectedFailure in getattr(d, "decorators", ())
+        for d in op.decorators
+    )
 
 
 def _head(a: np.ndarray) -> str:
