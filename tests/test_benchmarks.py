@@ -76,7 +76,19 @@ def test_peer_rows(tiny: tuple[dict[str, Any], str], recipe: str) -> None:
     assert sum(split[p] for p in SPLIT[:4]) == pytest.approx(split["total"], rel=1e-6)
 
 
-@pytest.mark.parametrize("form", ["dict collate", "TensorDataset tuples", "Dataset class"])
+# every loader form the tiny run measures (benchmarks/_user_path.py FORMS: the three collates,
+# torchdata's StatefulDataLoader, the user's IterableDataset, the user's batch_sampler)
+USER_FORMS = (
+    "dict collate",
+    "TensorDataset tuples",
+    "Dataset class",
+    "torchdata StatefulDataLoader",
+    "IterableDataset",
+    "own batch_sampler",
+)
+
+
+@pytest.mark.parametrize("form", USER_FORMS)
 def test_user_path_rows(tiny: tuple[dict[str, Any], str], form: str) -> None:
     cases = _cases(tiny[0], f"peers/digits MLP, user DataLoader: {form}")
     a = cases["(a) coreshell at its defaults"]
