@@ -157,6 +157,7 @@ def stopped() -> str | None:
     mode); None otherwise (``--verbose`` shows Lightning's line). Taken once.
 
     Example:
+        >>> _ = stopped()  # (what an earlier fit in this process left, taken)
         >>> stopped() is None
         True
     """
