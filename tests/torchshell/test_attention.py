@@ -406,3 +406,31 @@ def test_unmasked_attention_goes_straight_to_the_fused_call_and_equals_torch(
             np.testing.assert_allclose(
                 np.asarray(grads[name]), p.grad.numpy(), atol=1e-5, rtol=1e-4, err_msg=name
             )
+
+
+def test_unmasked_attention_in_the_users_autocast_region_takes_torchs_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside the user's own ``torch.autocast`` region the projections follow torch's cast
+    policy (bf16 matmuls): torch's function runs there, not the direct float32 einsums."""
+    from torchshell.trace import _attention
+
+    through_torch: list[int] = []
+    real = _attention._F_MHA
+    monkeypatch.setattr(_attention, "_F_MHA", lambda **kw: through_torch.append(1) or real(**kw))
+
+    class InAutocast(Unmasked):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return super().forward(x, y)
+
+    g = torch.Generator().manual_seed(2)
+    inputs = {"x": torch.randn(3, 7, 16, generator=g), "y": torch.randn(3, 5, 16, generator=g)}
+    module = InAutocast("self")
+    f, params, batch = _lowered(module, inputs)
+    out = f(params, batch)
+    ref = module(*inputs.values())
+    assert through_torch and out.dtype == jnp.bfloat16 and ref.dtype == torch.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(out.astype(jnp.float32)), ref.float().detach().numpy(), atol=5e-2
+    )

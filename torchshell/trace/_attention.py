@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import torch
 import torch.nn.functional as F
 
 from jaxcore.models.attention import attend
@@ -210,6 +211,8 @@ def _direct_applies(given: dict[str, Any]) -> bool:
     """Whether :func:`_direct` computes what torch's function would (see the module notes)."""
     return bool(
         not given["need_weights"]
+        # (inside the user's own torch.autocast region torch's path runs, under its policy)
+        and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
         and not (given["dropout_p"] > 0.0 and given["training"])
         and not given["use_separate_proj_weight"]
         and given["in_proj_weight"] is not None
