@@ -9,7 +9,10 @@ bfloat16 (float32 params and optimizer state) in three ways, on the same batch s
 - (a) coreshell: ``JaxModule`` under ``lightning.Trainer(precision="bf16-mixed")`` fed by a
   torch ``DataLoader`` (each batch crosses host -> device: the user's path);
 - (t) ``JaxModule.from_torch`` on the same encoder written in torch
-  (``nn.TransformerEncoder``, ``norm_first``), traced by torchax.
+  (``nn.TransformerEncoder``, ``norm_first``), traced by torchax;
+- (l) ``JaxModule.from_lightning`` on a team's ``LightningModule`` around that torch encoder
+  (its ``training_step`` computes ``F.cross_entropy`` and logs it, its
+  ``configure_optimizers`` returns ``torch.optim.Adam`` at the same learning rate).
 
 MFU = model FLOPs per step x steps/s / the chip's dense bf16 peak (H100/H200: 989 TFLOP/s;
 unknown chips print n/a). Model FLOPs are counted from the shapes (:func:`model_flops`: the
@@ -18,7 +21,8 @@ step is printed beside them (on a GPU it misses work done in library calls, and 
 between two compiles of the same step: 950 and 729 GFLOP). ``--dry-run`` runs the same
 code on CPU with tiny sizes (the suite runs it, so this script cannot rot).
 
-Run: ``.venv/bin/python benchmarks/gpu_encoder.py [--dry-run] [--steps 20] [--batch 16]``.
+Run: ``.venv/bin/python benchmarks/gpu_encoder.py [--dry-run] [--steps 20] [--batch 16]
+[--ways r,a,t,l]`` (``tpu.sh`` runs all four; ``gpu.sh`` r, a, t).
 """
 
 from __future__ import annotations
@@ -104,6 +108,30 @@ class TorchEncoder(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.encoder(self.proj(x)))
         return self.head(h.mean(dim=1))
+
+
+def lit_encoder(size: dict[str, int], lr: float) -> Any:
+    """(l)'s module: the torch encoder inside a team's ``LightningModule``."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TorchEncoder(
+                size["d"], size["layers"], size["heads"], size["mlp"], size["mels"]
+            )
+
+        def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y.long())
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=lr)
+
+    return Lit()
 
 
 def model_flops(size: dict[str, int], batch: int) -> float:
@@ -194,9 +222,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument(
+        "--ways", default="r,a,t", help="a comma list of r, a, t, l (r: always; default r,a,t)"
+    )
+    parser.add_argument(
         "--no-torch",
         action="store_true",
-        help="leave out (t): where torchax 0.0.13 cannot load beside the machine's torch "
+        help="leave out (t) and (l): where torchax 0.0.13 cannot load beside the machine's torch "
         "(a TPU machine's torch 2.13 CPU build)",
     )
     args = parser.parse_args()
@@ -221,13 +252,21 @@ def main() -> None:
         "(r) pure Flax step, batches on device": ref,
         "(a) coreshell JaxModule, DataLoader, bf16-mixed": shell_path(flax_module, loader),
     }
-    if not args.no_torch:
+    ways = set(args.ways.split(",")) - ({"t", "l"} if args.no_torch else set())
+    if "a" not in ways:
+        del paths["(a) coreshell JaxModule, DataLoader, bf16-mixed"]
+    if "t" in ways:
         twin = TorchEncoder(size["d"], size["layers"], size["heads"], size["mlp"], size["mels"])
         torch_module = JaxModule.from_torch(
             twin, jaxcore.softmax_cross_entropy, tx, print_summary=False
         )
         paths["(t) JaxModule.from_torch (torch encoder), bf16-mixed"] = shell_path(
             torch_module, loader
+        )
+    if "l" in ways:
+        lit_module = JaxModule.from_lightning(lit_encoder(size, 1e-4), print_summary=False)
+        paths["(l) JaxModule.from_lightning (its LightningModule), bf16-mixed"] = shell_path(
+            lit_module, loader
         )
     rates = _stats.rotate(paths, 1 if args.dry_run else 3, steps)
     kind = jax.devices()[0].device_kind
