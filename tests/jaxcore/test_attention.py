@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcore.models import attention
+from jaxcore.models import _tpu_attention, attention
 from jaxcore.models.attention import attend, implementation_for
 from jaxcore.models.spoken_digits import Attention, SpokenDigitsEncoder
 
@@ -101,8 +102,8 @@ def test_the_implementation_is_picked_and_cudnn_refusals_fall_back_to_xla(monkey
     np.testing.assert_array_equal(out, real(q, k, v, None, mask, implementation="xla"))
     with pytest.raises(RuntimeError):
         attend(q, k, v, implementation="cudnn")  # asked for by name: no silent fallback
-    with pytest.raises(ValueError, match="implementation must be None, 'xla', 'cudnn' or 'pallas'"):
-        attend(q, k, v, implementation="flash")
+    with pytest.raises(ValueError, match="implementation must be None, 'xla', 'cudnn', 'splash'"):
+        attend(q, k, v, implementation="mosaic")
 
 
 _PALLAS_CASES = {  # name: (dtype, T, S, kv heads, H, attend's keywords beside q, k, v)
@@ -111,11 +112,22 @@ _PALLAS_CASES = {  # name: (dtype, T, S, kv heads, H, attend's keywords beside q
     "float32-causal-grouped-query-cross": (jnp.float32, 40, 150, 1, 32, {"scale": 0.3}),
     "bfloat16-causal": (jnp.bfloat16, 70, 70, 2, 32, {}),
 }
+_SPLASH_CASES = {  # splash's masks: padded keys (computed in the kernel), full, causal
+    **_PALLAS_CASES,
+    "float32-full-padded": (jnp.float32, 150, 150, 2, 32, {}),
+    "bfloat16-full-one-block": (jnp.bfloat16, 128, 128, 1, 64, {}),
+    "float32-causal-one-block-key-mask": (jnp.float32, 128, 128, 2, 32, {"mask": "keys"}),
+}
 
 
-@pytest.mark.parametrize("case", list(_PALLAS_CASES))
-def test_the_pallas_kernel_interpreted_equals_xla_in_values_and_grads(case: str) -> None:
-    dtype, t, s, kv_heads, h, kw = _PALLAS_CASES[case]
+@pytest.mark.parametrize(
+    ("kernel", "case"),
+    [("pallas", c) for c in _PALLAS_CASES] + [("splash", c) for c in _SPLASH_CASES],
+)
+def test_the_pallas_kernels_interpreted_equal_xla_in_values_and_grads(
+    kernel: str, case: str
+) -> None:
+    dtype, t, s, kv_heads, h, kw = _SPLASH_CASES[case]
     ks = jax.random.split(jax.random.key(1), 4)
     q = jax.random.normal(ks[0], (2, t, 2, h), dtype)
     k, v = (jax.random.normal(x, (2, s, kv_heads, h), dtype) for x in ks[1:3])
@@ -131,7 +143,7 @@ def test_the_pallas_kernel_interpreted_equals_xla_in_values_and_grads(case: str)
         return jnp.sum(out.astype(jnp.float32) * weights), out
 
     grad = jax.value_and_grad(run, argnums=(1, 2, 3), has_aux=True)
-    (_, got), got_grads = grad("pallas", q, k, v)
+    (_, got), got_grads = grad(kernel, q, k, v)
     (_, want), want_grads = grad("xla", q, k, v)
     assert got.dtype == dtype and got.shape == q.shape
     rtol = 2e-2 if dtype == jnp.bfloat16 else 1e-5  # of each array's largest magnitude
@@ -140,42 +152,76 @@ def test_the_pallas_kernel_interpreted_equals_xla_in_values_and_grads(case: str)
         np.testing.assert_allclose(g, w, atol=rtol * float(np.abs(w).max()))
 
 
-def test_the_pallas_kernel_is_picked_on_a_tpu_and_refusals_fall_back_to_xla(
+@pytest.mark.parametrize("variant", [{"fused_backward": True}, {"block": 256}])
+def test_the_splash_variants_benchmarks_try_equal_xla_too(variant: dict) -> None:
+    """A fused backward (one kernel for dq, dk, dv) and a block other than its own."""
+    ks = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(x, (1, 150, 2, 32)) for x in ks)
+    mask = (jnp.arange(150) < 120)[None, None, None, :]
+    weights = jnp.cos(jnp.arange(32))
+
+    def splash(q, k, v):
+        return _tpu_attention.splash(q, k, v, mask, True, None, True, **variant)
+
+    def xla(q, k, v):
+        return attend(q, k, v, mask=mask, is_causal=True, implementation="xla")
+
+    got, want = (
+        jax.value_and_grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+        for f in (splash, xla)
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_splash_is_picked_on_a_tpu_flash_by_name_and_refusals_fall_back_to_xla(
     monkeypatch,
 ) -> None:
     q, k, v = _qkv()
     picked = []
-    monkeypatch.setattr(attention, "_pallas", lambda *a: picked.append(a) or a[0])
+    for name in ("splash", "flash"):  # each records its call and returns the query
+        fake = functools.partial(lambda n, *a: picked.append(n) or a[0], name)
+        monkeypatch.setattr(_tpu_attention, name, fake)
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
-    assert implementation_for(q) == "pallas"
+    assert implementation_for(q) == "splash"
     assert implementation_for(q.astype(jnp.float16)) == "xla"
     long = jnp.ones((1, attention._PALLAS_MIN_LENGTH, 1, 8))
-    assert attend(long, long, long) is long and len(picked) == 1  # long enough: the kernel
+    assert attend(long, long, long) is long and picked == ["splash"]  # long enough: splash
     attend(q, k, v)  # short: XLA is faster there
     attend(long, long, long, bias=jnp.zeros((1, 1, 1, long.shape[1])))  # a bias: XLA
-    assert len(picked) == 1
-    assert attend(q, k, v, implementation="pallas") is q  # short, but asked for by name
+    assert picked == ["splash"]
+    for name in ("splash", "flash", "pallas"):  # short, but asked for by name
+        assert attend(q, k, v, implementation=name) is q
+    assert picked == ["splash", "splash", "flash", "flash"]
     causal = jnp.tril(jnp.ones((6, 6), bool))[None, None]
     for kw, why in [
         ({"bias": jnp.zeros((1, 1, 6, 6))}, "a bias"),
         ({"mask": causal}, "a mask of shape"),
         ({"value": jnp.ones((2, 6, 4, 16))}, "a value head dim 16"),
     ]:
-        with pytest.raises(ValueError, match=f"Pallas flash kernel cannot take {why}"):
-            attend(q, k, kw.pop("value", v), implementation="pallas", **kw)
+        for name, kernel in [("splash", "splash attention"), ("pallas", "flash")]:
+            with pytest.raises(ValueError, match=f"Pallas {kernel} kernel cannot take {why}"):
+                attend(q, k, kw.get("value", v), implementation=name, **_without(kw, "value"))
     monkeypatch.undo()
     with pytest.raises(ValueError, match="cannot take the cpu backend"):
-        attend(q, k, v, implementation="pallas")
+        attend(q, k, v, implementation="splash")
 
 
+def _without(kw: dict, name: str) -> dict:
+    return {n: x for n, x in kw.items() if n != name}
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "splash"])
 @pytest.mark.parametrize(("dtype", "want"), [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
-def test_the_pallas_kernel_is_traced_at_a_precision_mosaic_takes(dtype, want: str) -> None:
+def test_the_pallas_kernels_are_traced_at_a_precision_mosaic_takes(
+    kernel: str, dtype, want: str
+) -> None:
     """Mosaic takes DEFAULT or HIGHEST, bfloat16 only at DEFAULT: under a caller's 'highest',
     forward and backward kernels (the backward traced after attend returned) keep to that."""
     q = jnp.ones((1, 40, 1, 32), dtype)
 
     def loss(q):
-        out = attend(q, q, q, implementation="pallas", interpret=True)
+        out = attend(q, q, q, implementation=kernel, interpret=True)
         return jnp.sum(out.astype(jnp.float32))
 
     with jax.default_matmul_precision("highest"):
@@ -184,12 +230,36 @@ def test_the_pallas_kernel_is_traced_at_a_precision_mosaic_takes(dtype, want: st
     assert set(re.findall(r"precision=\(Precision\.(\w+)", jaxpr)) == {want}
 
 
-def test_the_pallas_block_is_the_whole_length_up_to_1024_then_the_least_padding() -> None:
+def test_the_flash_block_is_the_whole_length_up_to_1024_then_the_least_padding() -> None:
     lengths = (40, 130, 640, 1024, 1025, 1152, 1500, 2048, 3000)
-    assert [attention._block(n) for n in lengths] == [
+    assert [_tpu_attention.flash_block(n) for n in lengths] == [
         (128, 128), (256, 256), (640, 640), (1024, 1024), (640, 1280), (640, 1280),
         (768, 1536), (1024, 2048), (1024, 3072),
     ]  # fmt: skip
+
+
+def test_the_splash_block_is_the_whole_length_up_to_512_then_the_least_padding() -> None:
+    lengths = (40, 197, 512, 513, 1024, 1152, 1280, 1500)
+    assert [_tpu_attention.splash_block(n) for n in lengths] == [
+        (128, 128), (256, 256), (512, 512), (384, 768), (512, 1024), (384, 1152),
+        (256, 1280), (512, 1536),
+    ]  # fmt: skip
+    assert _tpu_attention.splash_block(1500, 256) == (256, 1536)
+    with pytest.raises(ValueError, match="multiple of 128, got 100"):
+        _tpu_attention.splash_block(1500, 100)
+
+
+def test_splash_skips_the_blocks_its_mask_rules_out_whole() -> None:
+    """Causal: the blocks above the diagonal; padded keys: a block of padding only. The flash
+    kernel (segment ids for the padding) visits every key block."""
+
+    def visited(t: int, keys: int, causal: bool) -> int:
+        kernel = _tpu_attention._splash_kernel(1, t, t, keys, causal, 128, 128, False, True)
+        return int(np.count_nonzero(np.asarray(kernel.fwd_mask_info.block_mask)))
+
+    assert visited(512, 512, False) == 16
+    assert visited(512, 512, True) == 10  # 4 x 4 blocks, 6 above the diagonal
+    assert visited(512, 300, False) == 12  # keys 384-511 all padding: a column of 4 skipped
 
 
 def _old_attention(params, x, mask, heads):
