@@ -8,8 +8,8 @@
 #   2. models: Whisper-base encoder classifier, ViT-B/16 and GPT-2 small, each a team's
 #      LightningModule through JaxModule.from_lightning beside a pure-Flax twin of the same
 #      shapes and optimizer: steps/s, MFU, the ratio (tpu_models.py);
-#   3. speech: the default speech recipe through `coreshell train` (its stack: torchaudio,
-#      MLflow, eSpeak NG) when the machine has it; a FAILED row naming what is missing when not;
+#   3. speech: the default speech recipe through `coreshell train data.front_end=device`
+#      (tpu_speech.py: MLflow to SQLite, Orbax checkpoints, export and its parity);
 #   4. transfer: a torch batch onto the chip, bridge.to_jax against bare jax.device_put
 #      (tpu_transfer.py);
 #   5. digits: the digits MLP at the defaults on the user's DataLoader against the hand-written
@@ -19,10 +19,11 @@
 # from /opt/wheels; flax, optax, orbax-checkpoint, keras, scikit-learn... from its own index
 # (file:///opt/pypi/simple); the rest carried as wheels in .whl-tpu/, fetched here with
 #   benchmarks/tpu.sh --fetch-wheels      (torchax, lightning, lightning-utilities,
-#                                          torchmetrics, torchdata, hydra-core, omegaconf and
-#                                          an antlr4 wheel built from its sdist; 2.4 MB)
+#                                          torchmetrics, torchdata, hydra-core, omegaconf, an
+#                                          antlr4 wheel built from its sdist; the speech
+#                                          recipe's torchaudio, espeakng-loader, MLflow; 31 MB)
 # and the device call names .whl-tpu in `carry` (docs/tpu.md). Everything installs under
-# /tmp/site, after the machine's JAX on PYTHONPATH.
+# /tmp/site (TPU_SITE), after the machine's JAX on PYTHONPATH.
 #
 #   benchmarks/tpu.sh [STAGES]             # on the TPU machine; STAGES: a comma list of
 #                                          # models,encoder,transfer,digits,speech (all)
@@ -32,13 +33,23 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-}"
-WHEELS=(torchax==0.0.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
-        torchdata==0.11.0 hydra-core==1.3.8 omegaconf==2.3.1)
+# the wheels the TPU machine's index lacks (.whl-tpu/, 31 MB): pure Python ones, then the
+# speech recipe's host stack: torchaudio 2.11.1 (the newest build; it runs beside torch 2.13),
+# eSpeak NG's loader (libespeak-ng and its voices), MLflow's client (mlflow-skinny) with the
+# two of its needs the index lacks, and `mlflow` itself (installed without its server's needs)
+CARRIED=(torchax==0.0.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
+         torchdata==0.11.0 hydra-core==1.3.8 omegaconf==2.3.1 torchaudio==2.11.1
+         espeakng-loader==0.2.4 mlflow-skinny==3.17.2 databricks-sdk==0.156.0
+         opentelemetry-semantic-conventions==0.66b0)
+MLFLOW=mlflow==3.17.2
 if [[ $MODE == --fetch-wheels ]]; then  # here, where a registry is reachable
   mkdir -p .whl-tpu
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
-    --implementation cp --platform any -d .whl-tpu "${WHEELS[@]}" &&
-    python3 -m pip wheel -q --no-deps -w .whl-tpu antlr4-python3-runtime==4.9.3
+    --implementation cp --platform any --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl-tpu \
+    "${CARRIED[@]}" "$MLFLOW" &&
+    python3 -m pip wheel -q --no-deps -w .whl-tpu antlr4-python3-runtime==4.9.3 &&
+    du -sh .whl-tpu
   exit
 fi
 DRY=0
@@ -64,21 +75,40 @@ if [[ $DRY == 1 ]]; then
   SPEECH=(--dry-run)
 else
   PY="${PY:-python3}"
-  SITE=/tmp/site
+  SITE="${TPU_SITE:-/tmp/site}"
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
-  if ! "$PY" -c "import torch, flax, lightning, torchax" 2>/dev/null; then
+  if ! "$PY" -c "import torch, flax, lightning, torchax, torchaudio, mlflow" 2>/dev/null; then
     echo "installing into $SITE (torch 2.13 CPU, the index's packages, .whl-tpu)" >&2
     export PIP_CONFIG_FILE=/dev/null
-    "$PY" -m pip install --isolated -q --no-index --no-deps --no-compile --target "$SITE" \
-      .whl-tpu/*.whl || { echo "no .whl-tpu: run benchmarks/tpu.sh --fetch-wheels here" >&2; exit 2; }
+    if ! compgen -G ".whl-tpu/*.whl" >/dev/null; then
+      echo "no .whl-tpu: run benchmarks/tpu.sh --fetch-wheels here" >&2
+      exit 2
+    fi
+    # one resolver run over the index, /opt/wheels and .whl-tpu (one --target install, so the
+    # namespace packages that several wheels fill, opentelemetry, google, come out whole;
+    # pandas: mlflow.models.signature imports it; flatbuffers: jax.export serializes with it),
+    # then `mlflow` itself without its server's needs over mlflow-skinny: the same files and
+    # more, and the distribution that the model's `mlflow==` requirement records
     "$PY" -m pip install --isolated -q --no-compile --only-binary=:all: --upgrade \
-      --index-url file:///opt/pypi/simple --find-links /opt/wheels --target "$SITE" torch \
-      flax optax orbax-checkpoint safetensors pyyaml tqdm fsspec rich packaging \
-      typing-extensions prometheus-client scikit-learn keras soundfile matplotlib 2>&1 |
+      --index-url file:///opt/pypi/simple --find-links /opt/wheels --find-links .whl-tpu \
+      --target "$SITE" torch flax optax orbax-checkpoint safetensors pyyaml tqdm fsspec rich \
+      packaging typing-extensions prometheus-client scikit-learn keras soundfile matplotlib \
+      pandas flatbuffers sqlalchemy alembic "${CARRIED[@]}" 2>&1 |
       grep -v -e "^WARNING: Location" -e "notice" >&2
+    "$PY" -m pip install --isolated -q --no-index --no-deps --no-compile --upgrade \
+      --target "$SITE" ".whl-tpu/${MLFLOW/==/-}-"*.whl 2>&1 | grep -v -e notice -e "WARNING: Target" >&2
+    # the registry's torchaudio 2.11.1 is a CUDA build: its C++ extension links libtorch_cuda,
+    # which torch 2.13+cpu lacks. torchaudio imports without it where its .so files are absent,
+    # and what the recipe takes (resample, spectrogram, the mel scale) is torch code: the same
+    # bits as torchaudio 2.9.1 under torch 2.9.1 (tested here). Gone with it: the RNN-T loss,
+    # forced alignment and the CTC decoder's kernels.
+    rm -f "$SITE"/torchaudio/lib/*.so
   fi
   BUDGET="${TPU_SH_BUDGET:-520}"  # (the install before it took 70 s)
   ENC=(--steps 20 --batch 16) MODELS=() TRANSFER=() DIGITS=(--rounds 2 --steps 300) SPEECH=()
+  # the 2-core CPU's run of the recipe, when one was measured and carried (docs/tpu.md)
+  REF=bench-results/speech_cpu.json
+  if [[ -f $REF ]]; then SPEECH=(--reference "$REF"); fi
   FORMS="dict collate,TensorDataset tuples"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -47,7 +47,7 @@ def test_tpu_script_dry_run_prints_every_row() -> None:
         assert any("(j) JaxModule.from_lightning" in r and "| steps/s |" in r for r in mine)
         assert any("from_lightning / pure-Flax twin" in r and "| ratio |" in r for r in mine)
     speech = [r for r in rows if r.startswith("| tpu speech recipe")]
-    assert len(speech) == 3 and all("n/a" not in r for r in speech), speech
+    assert len(speech) == 5 and all("n/a" not in r for r in speech), speech
     transfer = [r for r in rows if r.startswith("| tpu transfer")]
     assert len(transfer) == 9
     digits = [r for r in rows if r.startswith("| peers/digits MLP, user DataLoader")]
