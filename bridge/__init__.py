@@ -24,6 +24,7 @@ from bridge._prefetch import Prefetcher, prefetch
 from bridge._safetensors import load_safetensors, save_safetensors
 from bridge._state_dict import export_state_dict, import_state_dict, state_dict_sources
 from bridge._stats import TransferStats, new_stats
+from bridge._transfer import BatchTransfer
 from bridge._tree import path_str
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "CONV_KERNEL",
     "CONV_TRANSPOSE_KERNEL",
     "DENSE_KERNEL",
+    "BatchTransfer",
     "BridgeError",
     "Origin",
     "ParityError",

@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from bridge._convert import as_numpy
 from bridge._dlpack import copied_shard_bytes, prepare
 from bridge._errors import TransferError
-from bridge._origin import remember
+from bridge._origin import AMBIGUOUS, remember
 from bridge._stats import TransferStats
-from bridge._tree import PyTree, leaves, map_leaves
+from bridge._tree import PyTree, flat_leaves, leaves, map_leaves, rebuilt
 
 
 def _is_tensor(x: Any) -> bool:
@@ -24,6 +24,8 @@ def _is_tensor(x: Any) -> bool:
 
 
 _ARRAYS = (torch.Tensor, np.ndarray, jax.Array)
+_VIEWED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.float16})
+_VIEWED |= {torch.float32, torch.complex64}  # (a host tensor's t.numpy() views these as they are)
 
 
 def rows(batch: PyTree, *, skip: tuple[str, ...] = ()) -> int:
@@ -229,7 +231,7 @@ def _is_host_device(sharding: Sharding, tree: PyTree) -> bool:
         len(devices) == 1
         and jax.process_count() == 1
         and next(iter(devices)) == jax.devices("cpu")[0]
-        and all(t.is_cpu for _, t in leaves(tree, _is_tensor))
+        and all(t.is_cpu for _, t in flat_leaves(tree) or leaves(tree, _is_tensor))
     )
 
 
@@ -242,7 +244,12 @@ def _place_sharded(
     copied_names: set[str],
 ) -> list[jax.Array]:
     shardings = [_leaf_sharding(sharding, t.dim()) for _, t in named]
-    local = [as_numpy(t) if t.is_cpu else jax.dlpack.from_dlpack(t) for _, t in named]
+    local = [
+        (t.numpy() if t.dtype in _VIEWED else as_numpy(t))
+        if t.is_cpu
+        else jax.dlpack.from_dlpack(t)
+        for _, t in named
+    ]
     # One batched call: device_put with one process; with several, each process's rows are
     # assembled into one global array.
     try:
@@ -321,6 +328,7 @@ def to_jax(
     """
     if stats is not None:
         stats.transfers += 1
+    flat = flat_leaves(tree)  # (a flat dict/list/tuple of tensors: no tree walks below)
     if sharding is not None and _is_host_device(sharding, tree):
         sharding = None  # one process, one CPU device: DLPack already puts it there
     if sharding is None and pad_to is None:  # the lean path: one walk, no bookkeeping sets
@@ -331,6 +339,8 @@ def to_jax(
             remember(name, t.dtype, out)  # (an int32 field: JAX shows it as a narrowed int64)
             return out
 
+        if flat is not None:
+            return rebuilt(tree, [hand_over(name, t) for name, t in flat])
         return map_leaves(hand_over, tree, _is_tensor)
 
     copied_names: set[str] = set()
@@ -343,15 +353,20 @@ def to_jax(
             copied_names.add(name)
         return out
 
-    tree = map_leaves(policy, tree, _is_tensor)
+    if flat is not None:
+        flat = [(name, policy(name, t)) for name, t in flat]
+    else:
+        tree = map_leaves(policy, tree, _is_tensor)
     blocks = _local_row_blocks(sharding) if sharding is not None else 1
     rows = None
     if pad_to is not None:
         rows = round_up(pad_to, blocks)
     elif blocks > 1:
-        sizes = {t.shape[0] for _, t in leaves(tree, _is_tensor) if t.dim()}
+        sizes = {t.shape[0] for _, t in flat or leaves(tree, _is_tensor) if t.dim()}
         if len(sizes) == 1 and (n := sizes.pop()) % blocks:
             rows = round_up(n, blocks)
+    if flat is not None and (rows is not None or sharding is None):
+        tree, flat = rebuilt(tree, [t for _, t in flat]), None  # (padded or placed: walked)
     if rows is not None:
         before = {name: t.data_ptr() for name, t in leaves(tree, _is_tensor)}
         tree = pad_batch(tree, rows)
@@ -368,9 +383,12 @@ def to_jax(
             return out
 
         return map_leaves(place, tree, _is_tensor)
-    named = leaves(tree, _is_tensor)
+    named = flat if flat is not None else leaves(tree, _is_tensor)
     arrays = _place_sharded(named, sharding, strict=strict, stats=stats, copied_names=copied_names)
     for (name, t), out in zip(named, arrays, strict=True):
-        remember(name, host_dtypes.get(name, t.dtype), out)
+        if (dtype := host_dtypes.get(name, t.dtype)) in AMBIGUOUS:  # (else: nothing to recall)
+            remember(name, dtype, out)
+    if flat is not None:
+        return rebuilt(tree, arrays)
     placed = iter(arrays)
     return map_leaves(lambda _, t: next(placed), tree, _is_tensor)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from typing import Any
+
+import torch
 
 PyTree = Any
 
@@ -100,3 +103,36 @@ def leaves(tree: PyTree, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]
     found: list[tuple[str, Any]] = []
     map_leaves(lambda p, x: found.append((p, x)), tree, is_leaf)
     return found
+
+
+def flat_leaves(tree: PyTree) -> list[tuple[str, Any]] | None:
+    """``leaves(tree, is_tensor)`` of a flat dict, list or tuple of torch tensors, read without
+    walking the tree (the common collated batch); ``None`` for any other tree.
+
+    Example:
+        >>> import torch
+        >>> flat_leaves({"x": torch.ones(1)}), flat_leaves([torch.ones(1), [torch.ones(1)]])
+        ([('x', tensor([1.]))], None)
+    """
+    kind = type(tree)
+    if kind is dict:
+        names, values = list(map(str, tree)), list(tree.values())
+    elif kind is list or kind is tuple:
+        names, values = list(map(str, range(len(tree)))), list(tree)
+    else:
+        return None
+    if not all(map(isinstance, values, repeat(torch.Tensor))):
+        return None
+    return list(zip(names, values, strict=True))
+
+
+def rebuilt(tree: PyTree, values: Sequence[Any]) -> PyTree:
+    """``tree`` (a flat dict, list or tuple: :func:`flat_leaves`) holding ``values`` instead.
+
+    Example:
+        >>> rebuilt({"x": 1}, [2]), rebuilt((1, 2), [3, 4])
+        ({'x': 2}, (3, 4))
+    """
+    if type(tree) is dict:
+        return dict(zip(tree, values, strict=True))
+    return type(tree)(values)

@@ -26,12 +26,12 @@ def test_a_batch_of_another_form_takes_the_full_path_after_the_form_is_learned()
     adapter = _module().adapter
     x, y = torch.ones(4, 3), torch.zeros(4, dtype=torch.long)
     first = adapter.prepare((x, y))
-    assert adapter.form is not None and sorted(first) == ["x", "y"]
+    assert adapter.plan is not None and sorted(first) == ["x", "y"]
     again = adapter.prepare((x * 2, y))  # the learned form: only named
     assert torch.equal(again["x"], x * 2) and again["y"] is y
     mixed = adapter.prepare((x.numpy(), y))  # a numpy field: converted, not passed on as it is
     assert isinstance(mixed["x"], torch.Tensor)
-    assert adapter.form is None  # (that batch needed the full path: no form learned from it)
+    assert adapter.plan is None  # (that batch needed the full path: no form learned from it)
     adapter.prepare({"x": x, "y": y})
     assert adapter.prepare({"x": x, "y": y, "id": ["a", "b", "c", "d"]})["id"].kind == "list"
 

@@ -54,7 +54,7 @@ from torchshell.adapters._batches import (
 from torchshell.adapters._checkpoint import CheckpointLayout
 from torchshell.adapters._eval import EvalHooks
 from torchshell.adapters._flax_checks import check_batch
-from torchshell.adapters._form import BatchForm
+from torchshell.adapters._handover import HandOver
 from torchshell.adapters._hooks import ModuleHooks
 from torchshell.adapters._logs import TrainLogs
 from torchshell.adapters._losses import step_loss
@@ -210,7 +210,7 @@ class Adapter:
         self.placement = placement
         self.batch_keys = tuple(batch_keys)
         self.fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # the plan's
-        self.form: BatchForm | None = None  # the run's batches' form, learned (``prepare``)
+        self.plan: HandOver | None = None  # the run's hand-over plan, learned (``prepare``)
         self.optim = OptaxOptimizer()  # (the method groups: see above)
         self.checkpoint = CheckpointLayout()
         self.logs = TrainLogs()
@@ -221,21 +221,21 @@ class Adapter:
     # -- per batch ------------------------------------------------------------------------
     def prepare(self, batch: Any) -> Any:
         """The batch as the model reads it: named fields (numpy arrays and lists of numbers as
-        tensors), host-only fields set aside; a batch of the run's learned form only named."""
-        if self.form is not None and (named := self.form.named(batch)) is not None:
+        tensors), host-only fields set aside; a batch matching the run's plan only named."""
+        if self.plan is not None and (named := self.plan.named(batch)) is not None:
             return named
         named = arrays_as_tensors(name_batch(batch, self.batch_keys))  # numpy, lists of numbers
         others = {k: v for k, v in named.items() if k != "mask"} if "mask" in named else named
         # from_torch, a graph: rows neither padded nor weighed (a row mask of the wrong length
         # in an otherwise aligned batch is a mistake: check_batch names it; a Flax model's
         # batch keeps its rows, split over the data axis)
-        if self.form is None and self.torch_module is not None and not aligned(others):
+        if self.plan is None and self.torch_module is not None and not aligned(others):
             refuse_row_mask(named)
             self.unaligned, self.weigh_rows, self.supports_windows = True, False, False
         check_batch(self, named)  # negative lengths, misfit masks: refused like torch
         prepared = host_fields_out(named)  # ids, paths: not arrays, named if the step reads one
         refuse_no_rows(prepared)
-        self.form = BatchForm.learn(batch, prepared, self.batch_keys)
+        self.plan = HandOver.learn(batch, prepared, self.batch_keys)
         return prepared
 
     def global_rows(self, batch: Any) -> int:

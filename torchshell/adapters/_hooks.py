@@ -136,6 +136,7 @@ class ModuleHooks:
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}  # attributes set through the module (batch_size)
         self.table = SimpleNamespace()  # TABLE_HOOKS: what the module's properties give
+        self.dispatches = type(self).run is not ModuleHooks.run  # (else the module skips run)
 
     def attach(self, module: Any) -> None:
         """At the end of the module's ``__init__``: the hook table, the module's own

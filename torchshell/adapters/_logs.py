@@ -68,16 +68,9 @@ class TrainLog:
         self.emit = emit
         self.wait = 0.0  # seconds spent waiting for data since the last log
         self.compute = 0.0  # seconds in the hand-over + step dispatch since the last log
-        self.batch_end: float | None = None
+        self.batch_end: float | None = None  # (JaxModule's batch hooks: the wait between)
         self._last: tuple[float, int] | None = None
         self._pending: tuple[dict[str, jax.Array], dict[str, float], int, int | None] | None = None
-
-    def batch_started(self) -> None:
-        if self.batch_end is not None:
-            self.wait += time.perf_counter() - self.batch_end
-
-    def batch_ended(self) -> None:
-        self.batch_end = time.perf_counter()
 
     def queue(
         self, values: dict[str, jax.Array], rows: int, step: int, epoch: int | None = None

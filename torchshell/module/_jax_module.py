@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,13 +56,11 @@ class JaxModule(L.LightningModule):
     crosses to JAX through :func:`bridge.to_jax` (zero-copy where the layout allows, ragged
     batches padded with a ``mask``) and the step runs jitted and sharded on ``mesh``. There is
     no torch optimizer: ``global_step`` counts JAX optimizer steps. A short step's batches run
-    K per jitted call (:mod:`torchshell.module._windows`: ``global_step``, logging and
-    checkpoints as with K=1); ``steps_per_call=K`` views a batch of ``K * B`` rows as K. Metrics
-    stay on device, fetched every ``log_every_n_steps`` steps (loggers, bar, callbacks).
+    K per jitted call (:mod:`torchshell.module._windows`); ``steps_per_call=K`` views a batch of
+    ``K * B`` rows as K. Metrics stay on device, fetched every ``log_every_n_steps`` steps.
 
     Batches come as the DataLoader yields them: a dict of tensors, or a list/tuple whose
-    positions ``batch_keys`` names. The Trainer's ``precision``, ``accumulate_grad_batches``
-    and ``gradient_clip_val`` are carried out in the JAX step (:mod:`torchshell.module._flags`).
+    positions ``batch_keys`` names. The Trainer's flags are carried out in the JAX step.
 
     Args:
         model: a Flax linen module, a Flax NNX module, or :class:`jaxcore.ModelFns`.
@@ -249,17 +248,18 @@ class JaxModule(L.LightningModule):
 
     # -- training (module._training, ._logging). A loop hook does the module's part, then the
     # adapter's `hooks.run` (the port: the user's hook); those not defined here: `run` alone
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
-        """Runs the compiled step, or buffers the batch for K steps in one call."""
-        return train_batch(self, batch)  # type: ignore[no-any-return]
+    training_step = train_batch  # (the compiled step run, or the batch kept for K per call)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
-        self.train_log.batch_started()  # (-1 from the port's user hook: the epoch ends)
-        return self.adapter.hooks.run(self, "on_train_batch_start", batch, batch_idx)
+        log, hooks = self.train_log, self.adapter.hooks  # (the wait for data, inline: no call)
+        log.wait += time.perf_counter() - log.batch_end if log.batch_end is not None else 0.0
+        if hooks.dispatches:  # (-1 from the port's user hook: the epoch ends)
+            return hooks.run(self, "on_train_batch_start", batch, batch_idx)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.train_log.batch_ended()
-        self.adapter.hooks.run(self, "on_train_batch_end", outputs, batch, batch_idx)
+        self.train_log.batch_end = time.perf_counter()
+        if self.adapter.hooks.dispatches:
+            self.adapter.hooks.run(self, "on_train_batch_end", outputs, batch, batch_idx)
 
     def on_train_epoch_end(self) -> None:
         self.accumulation.clear()  # (a window never spans epochs: the last batch closes it)

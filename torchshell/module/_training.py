@@ -20,10 +20,14 @@ from typing import Any
 
 import jax
 import numpy as np
+import torch
 
+import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.adapters._batches import float_fields
+from torchshell.adapters._batches import float_fields, rows
+from torchshell.adapters._checkpoint import CheckpointLayout
+from torchshell.adapters._steps import TrainSteps
 from torchshell.module._logging import log_to_loggers, outputs, outputs_wanted, queue_log
 from torchshell.summary import param_summary
 
@@ -34,14 +38,24 @@ JaxModule = Any
 __all__ = ["buffer_batch", "run_window", "step_forward", "train_batch"]
 
 
-def train_batch(module: JaxModule, batch: Any) -> Any:
+def train_batch(module: JaxModule, batch: Any, batch_idx: int = 0) -> Any:
     """``training_step``: runs the compiled step on ``batch``, or buffers it for a window.
 
-    Returns ``{"loss": loss}`` (waiting for the step) only when a user callback reads
+    A batch that matches the run's hand-over plan exactly, once K > 1 is chosen, is only
+    kept (:func:`buffer_batch`): nothing about it is worked out again. Returns
+    ``{"loss": loss}`` (waiting for the step) only when a user callback reads
     ``on_train_batch_end``'s outputs, as plain Lightning gives them; else ``None``, so the
     loop never waits for the device.
     """
-    adapter = module.adapter
+    adapter, windows = module.adapter, module.windows
+    plan = adapter.plan
+    if (
+        windows.plain_ok
+        and plan is not None
+        and module.flags.accumulate == 1
+        and (named := plan.same(batch)) is not None
+    ):
+        return buffer_batch(module, named, plan, time.perf_counter())
     with adapter.steps.counted(module):  # (the port's manual optimization)
         adapter.checkpoint.before_step(module)  # (the port: host code's in-place changes)
         t0 = time.perf_counter()
@@ -49,14 +63,10 @@ def train_batch(module: JaxModule, batch: Any) -> Any:
         if module._float_fields is None:  # (NaN/Inf in them: refused inside the step)
             module._float_fields = float_fields(batch)
         m = module.flags.accumulate
-        if m == 1 and module.windows.buffering():
-            metrics = buffer_batch(module, batch)
-            trainer = module._trainer
-            every = max(trainer.log_every_n_steps, 1)  # type: ignore[union-attr]
-            if metrics is not None and trainer.global_step % every == 0:  # type: ignore[union-attr]
-                queue_log(module, metrics, adapter.global_rows(batch))
-            module.train_log.compute += time.perf_counter() - t0
-            return None  # (windows: no callback reads the outputs, see outputs_wanted)
+        if m == 1 and (windows.k or 1) > 1:  # (K > 1 chosen: buffering)
+            plan = adapter.plan
+            exact = plan is not None and plan.same(raw) is not None
+            return buffer_batch(module, batch, plan if exact else None, t0)
         if m > 1:
             if module.steps_per_call > 1 or module.accum_steps > 1:
                 raise ConfigError(
@@ -117,14 +127,20 @@ def _count_steps(module: JaxModule, steps: int) -> None:
 
 
 # -- K batches per call (steps_per_call="auto", see torchshell.module._windows) ---------------
-def buffer_batch(module: JaxModule, batch: Any) -> dict[str, jax.Array] | None:
-    """Keeps the batch; runs the window (its last step's metrics) when one is due."""
-    _count_steps(module, 1)
+def buffer_batch(module: JaxModule, batch: Any, plan: Any, t0: float) -> None:
+    """Keeps the batch (``plan``: the hand-over plan it matched exactly, or ``None``); runs
+    the window when one is due, and queues a logging step's metrics."""
     trainer = module._trainer
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress  # type: ignore[union-attr]
+    progress.increment_ready()  # (Lightning's global_step: this batch's optimizer step)
+    progress.increment_completed()
     every = max(int(trainer.log_every_n_steps), 1)  # type: ignore[union-attr]
-    if module.windows.take(batch, trainer.global_step, every):  # type: ignore[union-attr]
-        return run_window(module)
-    return None
+    step = trainer.global_step  # type: ignore[union-attr]
+    if module.windows.take(batch, step, every, plan):
+        metrics = run_window(module)
+        if step % every == 0:
+            queue_log(module, metrics, module.adapter.global_rows(batch))
+    module.train_log.compute += time.perf_counter() - t0
 
 
 def run_window(module: JaxModule) -> dict[str, jax.Array]:
@@ -178,7 +194,41 @@ def _choose_k(module: JaxModule, times: tuple[float, float], jbatch: Any, batch:
     can = not module.adapter.reads_values(jbatch) and "mask" not in batch
     overlapped = module.adapter.placement.mesh.devices.flat[0].platform != "cpu"
     module.windows.k = k = module.windows.choose(*times, every, flops, overlapped) if can else 1
+    adapter = module.adapter  # (batches matching the plan skip the per-step host protocol)
+    quiet = type(adapter.steps).counted is TrainSteps.counted and (
+        type(adapter.checkpoint).before_step is CheckpointLayout.before_step
+    )
+    module.windows.plain_ok = k > 1 and quiet
     log_to_loggers(module, {"compile/steps_per_call": float(k)})
+    if k > 1:
+        _compile_window(module, k, batch)
+
+
+def _compile_window(module: JaxModule, k: int, batch: Any) -> None:
+    """The K-step program compiled as soon as K is chosen, on a window of K copies of this
+    batch (handed over as every full window is, its transfer not counted), so that the first
+    full window does not stop to trace and compile it. Only when the fit reaches a full
+    window, and for a batch of tensors whose rows need no padding (else the first window
+    compiles it)."""
+    trainer, placement = module.trainer, module.placement
+    step = trainer.global_step
+    n = rows(batch)
+    if (
+        trainer.estimated_stepping_batches < (step // k + 2) * k
+        or placement.global_rows(n) != n
+        or type(batch) is not dict
+        or "mask" in batch
+        or not all(isinstance(t, torch.Tensor) for t in batch.values())  # (nested, host-only)
+    ):
+        return
+    stacked = {name: torch.stack([t] * k) for name, t in batch.items()}
+    transfer = bridge.BatchTransfer.plan(stacked, placement.window, bridge.new_stats())
+    if transfer is None:
+        return
+    jbatch = transfer(stacked)
+    jbatch["mask"] = placement.window_mask(k, n)
+    module.windows.step = window = _window_step(module, k)
+    window.compile(module._state, jbatch)
 
 
 # -- accumulate_grad_batches windows (see torchshell.module._accumulation) --------------------

@@ -33,6 +33,7 @@ runs K optimizer steps in one jitted call (``lax.scan``). The semantics:
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,8 @@ import torch
 import bridge
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.adapters._batches import HostOnly, rows
+from torchshell.adapters._batches import rows
+from torchshell.adapters._handover import HandOver, sizeless, stack_form
 
 __all__ = ["Windows", "choose_k", "resolve_steps_per_call"]
 
@@ -148,6 +150,9 @@ class Windows:
         self.buffer: list[dict[str, torch.Tensor]] = []
         self.step: jaxcore.Step | None = None  # the K-step program, built at the first window
         self.runs = 0  # windows run K per call
+        self.plain_ok = False  # K > 1 chosen and nothing per step on the host but the batch
+        self.plain: HandOver | None = None  # the plan every buffered batch matched exactly
+        self._transfer: tuple[HandOver, Any, int] | None = None  # (its plan, hand-over, rows)
         self._probe: list[tuple[float, float]] = []
         self._ready: float | None = None
 
@@ -187,9 +192,16 @@ class Windows:
             return None
         return min(p[0] for p in self._probe), min(p[1] for p in self._probe)
 
-    def take(self, batch: dict[str, torch.Tensor], step: int, log_every: int) -> bool:
-        """Keeps the batch (``step``: the ``global_step`` it brings); whether the window is due
-        (``global_step`` at a multiple of K or at a logging step)."""
+    def take(
+        self, batch: dict[str, torch.Tensor], step: int, log_every: int, plan: HandOver | None
+    ) -> bool:
+        """Keeps the batch (``step``: the ``global_step`` it brings; ``plan``: the hand-over
+        plan it matched exactly, if any); whether the window is due (``global_step`` at a
+        multiple of K or at a logging step)."""
+        if not self.buffer:
+            self.plain = plan
+        elif plan is not self.plain:
+            self.plain = None
         self.buffer.append(batch)
         return step % (self.k or 1) == 0 or step % log_every == 0
 
@@ -210,6 +222,13 @@ class Windows:
         """
         batches, self.buffer = self.buffer, []
         k = self.k or 1
+        if self.plain is not None and len(batches) == k > 1:  # (the plan's: decided once)
+            jbatch = self._plain(batches, placement, k)
+            if jbatch is not None:
+                if self.step is None:
+                    self.step = window_step(k)
+                self.runs += 1
+                return self.step(state, jbatch)  # type: ignore[no-any-return]
         if len(batches) != k or k == 1 or not _one_form(batches):
             metrics: dict[str, jax.Array] = {}  # (a short window, or batches that differ)
             for b in batches:
@@ -223,7 +242,7 @@ class Windows:
         if any("mask" in b for b in padded):
             padded = [bridge.pad_batch(b, n) for b in padded]
         if not all(isinstance(t, torch.Tensor) for b in padded for t in b.values()):
-            padded = [_sizeless(b) for b in padded]  # (a short batch's list fields, padded)
+            padded = [sizeless(b) for b in padded]  # (a short batch's list fields, padded)
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *padded)  # (nested, host-only)
         jbatch = bridge.to_jax(stacked, placement.window, stats=placement.stats)
         if "mask" not in jbatch:
@@ -233,28 +252,35 @@ class Windows:
         self.runs += 1
         return self.step(state, jbatch)  # type: ignore[no-any-return]
 
-
-def _sizeless(batch: Any) -> Any:
-    """``batch`` with its :class:`HostOnly` stand-ins' lengths dropped, so that the batches
-    of a window (a short one padded) stack with one structure (the Flax step never reads a
-    host field)."""
-    return jax.tree.map(
-        lambda x: HostOnly(x.path, x.kind) if isinstance(x, HostOnly) else x,
-        batch,
-        is_leaf=lambda x: isinstance(x, HostOnly),
-    )
-
-
-def _form(batch: Any) -> Any:
-    """What must agree for batches to stack: the tree, each field's per-row shape, dtype."""
-    if isinstance(batch, dict) and all(isinstance(v, torch.Tensor) for v in batch.values()):
-        return frozenset((k, v.shape[1:], v.dtype) for k, v in batch.items())  # (the common case)
-    leaves, tree = jax.tree.flatten(_sizeless(batch))
-    return tree, [(t.shape[1:], t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
+    def _plain(self, batches: list[Any], placement: Any, k: int) -> dict[str, Any] | None:
+        """K batches that matched the plan exactly, stacked and handed over as the plan's
+        first window decided (``None``: its rows need padding, or the bridge decides per
+        batch)."""
+        plan = self.plain
+        assert plan is not None
+        names = plan.names or plan.order
+        if len(names) < 2:  # (one field: itemgetter's result is no tuple; to_jax decides)
+            return None
+        pick = operator.itemgetter(*names)
+        stacked = dict(
+            zip(names, map(torch.stack, zip(*map(pick, batches), strict=True)), strict=True)
+        )
+        if self._transfer is None or self._transfer[0] is not plan:
+            n = rows(batches[0])
+            transfer = None
+            if placement.global_rows(n) == n:
+                transfer = bridge.BatchTransfer.plan(stacked, placement.window, placement.stats)
+            self._transfer = (plan, transfer, n)
+        _, transfer, n = self._transfer
+        if transfer is None:
+            return None
+        jbatch: dict[str, Any] = transfer(stacked)
+        jbatch["mask"] = placement.window_mask(k, n)
+        return jbatch
 
 
 def _one_form(batches: list[Any]) -> bool:
     """Whether the window's batches stack: one tree structure (not a field in some batches
     only), each field's per-row shape (not bucketed lengths) and dtype the same."""
-    first = _form(batches[0])
-    return all(_form(b) == first for b in batches[1:])
+    first = stack_form(batches[0])
+    return all(stack_form(b) == first for b in batches[1:])
