@@ -9,12 +9,12 @@ and v (the forward and the whole backward), two warm-up calls (the first compile
 
 Rows: ``xla``, ``flash`` (the Pallas flash kernel), ``splash`` (splash attention, its block by
 ``splash_block``), ``default`` (``implementation=None``: what a model gets; the kernel it took
-in brackets), and splash variants for tuning: ``splash fused-bwd`` (one backward kernel for
-dq, dk, dv) and ``splash block B`` for each ``--blocks`` size unlike the default block and not
-past the padded length. ``TFLOP/s`` counts the model's attention FLOPs only, ``3 x 4 B N T S
-H`` (halved when causal): no recompute, no padding. A cell that fails (a kernel refusing the
-shape, a Mosaic compile error) is a FAILED row with the error's first line; the others still
-run. ``vs xla`` is XLA's time over the row's.
+in brackets), and splash variants for tuning: ``splash two-kernel bwd`` (dq apart from dk and
+dv; the default fuses them) and ``splash block B`` for each ``--blocks`` size unlike the
+default block and not past the padded length. ``TFLOP/s`` counts the model's attention FLOPs
+only, ``3 x 4 B N T S H`` (halved when causal): no recompute, no padding. A cell that fails (a
+kernel refusing the shape, a Mosaic compile error) is a FAILED row with the error's first line;
+the others still run. ``vs xla`` is XLA's time over the row's.
 
 ``--dry-run``: tiny shapes on the CPU, the Pallas kernels in interpret mode, one timed call,
 no splash variants (the numbers mean nothing there; the suite runs it to keep the script
@@ -92,7 +92,7 @@ def _cases(
     cases = {name: by_name(None if name == "default" else name) for name in IMPLEMENTATIONS}
     if blocks is None:
         return cases
-    cases["splash fused-bwd"] = splash(fused_backward=True)
+    cases["splash two-kernel bwd"] = splash(fused_backward=False)
     auto, padded = _tpu_attention.splash_block(shape[1])
     for block in blocks:
         if block != auto and block <= -(-padded // 128) * 128:

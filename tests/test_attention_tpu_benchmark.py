@@ -55,9 +55,9 @@ def test_a_cell_that_raises_is_a_failed_row_and_the_table_says_so() -> None:
 def test_the_splash_variants_skip_the_default_block_and_blocks_past_the_length() -> None:
     encoder, vit = attention_tpu.SHAPES["encoder"], attention_tpu.SHAPES["vit"]
     assert list(attention_tpu._cases(encoder, [256, 512, 1024], False))[4:] == [
-        "splash fused-bwd",
+        "splash two-kernel bwd",
         "splash block 256",
         "splash block 1024",
     ]  # 512: splash's own block at 1,500 tokens
-    assert list(attention_tpu._cases(vit, [256, 512], False))[4:] == ["splash fused-bwd"]
+    assert list(attention_tpu._cases(vit, [256, 512], False))[4:] == ["splash two-kernel bwd"]
     assert list(attention_tpu._cases(vit, None, True)) == list(attention_tpu.IMPLEMENTATIONS)

@@ -83,11 +83,12 @@ def splash(
     interpret: bool,
     *,
     block: int | None = None,
-    fused_backward: bool = False,
+    fused_backward: bool = True,
 ) -> jax.Array:
     """Splash attention on ``[B, T, N, H]`` inputs (see the module notes); ``mask`` a key-padding
-    mask ``[B or 1, N or 1, 1, S]`` or ``None``. ``block`` and ``fused_backward`` (one backward
-    kernel for dq, dk and dv) are for benchmarks."""
+    mask ``[B or 1, N or 1, 1, S]`` or ``None``. ``block`` and ``fused_backward=False`` (two
+    backward kernels, dq apart from dk and dv) are for benchmarks: on the v5e the fused one
+    was 1.14-1.16x faster at block 512 (``benchmarks/attention_tpu.py``, 2026-12-08)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     (b, t, n, h), (s, kv_heads) = query.shape, key.shape[1:3]
@@ -163,13 +164,17 @@ def _splash_kernel(
     else:
         backward.update(block_q_dq=block_q, block_kv_dq=block_k)
     blocks = sk.BlockSizes(block_q=block_q, block_kv=block_k, **backward)
-    return sk.make_splash_mha(
-        sm.MultiHeadMask([one] * heads),
-        block_sizes=blocks,
-        head_shards=1,
-        q_seq_shards=1,
-        interpret=interpret,
-    )
+    # the kernel holds its mask's block map as arrays: made eagerly, they are constants every
+    # trace can share (made under the jit that first asked, they were that trace's tracers,
+    # and the cached kernel leaked them into the next: UnexpectedTracerError on the chip)
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha(
+            sm.MultiHeadMask([one] * heads),
+            block_sizes=blocks,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
 
 
 def flash(
