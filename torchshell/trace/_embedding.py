@@ -26,6 +26,7 @@ import torch
 
 from jaxcore.guard import index_check
 from torchshell._errors import TorchModelError
+from torchshell.trace._targets import batch_field, fields_named
 
 __all__ = ["EVAL_CHECK_KEY", "EmbeddingChecks", "embedding_message"]
 
@@ -84,7 +85,6 @@ class EmbeddingChecks:
     """
 
     def __init__(self) -> None:
-        self._ids: dict[int, str] = {}
         self._tables: dict[tuple[int, ...], str | None] = {}
         self._module: torch.nn.Module | None = None
 
@@ -98,15 +98,10 @@ class EmbeddingChecks:
     @contextlib.contextmanager
     def watching(self, batch: Any) -> Iterator[None]:
         """While tracing with ``batch`` (the torchax tensors or JAX values the step sees):
-        indices that are one of its fields are named by that field."""
-        self._ids = {
-            id(getattr(t, "_elem", t)): jax.tree_util.keystr(path)
-            for path, t in jax.tree_util.tree_leaves_with_path(batch)
-        }
-        try:
+        indices (and class-index targets) that are one of its fields are named by that
+        field."""
+        with fields_named(batch):  # (class-index targets are named the same way: _targets)
             yield
-        finally:
-            self._ids = {}
 
     def _table(self, shape: tuple[int, ...]) -> str | None:
         """The path of the module's only ``nn.Embedding`` of this shape, else ``None``."""
@@ -134,7 +129,7 @@ class EmbeddingChecks:
             )
         w, idx = weight._elem, indices._elem
         rows = int(w.shape[0])
-        field = self._ids.get(id(idx))
+        field = batch_field(idx)
         index_check(idx, rows, embedding_message(rows, field, self._table(tuple(w.shape))))
         out = jnp.take(w, idx, axis=0)
         if padding_idx is not None and padding_idx >= 0:

@@ -37,7 +37,13 @@ import torch.nn.functional as F
 
 import jaxcore
 from torchshell._errors import ConfigError
-from torchshell.trace._targets import check_class_target, check_float_target, class_index_checked
+from torchshell.trace._targets import (
+    check_class_target,
+    check_float_target,
+    class_index_checked,
+    class_range_check,
+    fields_named,
+)
 
 __all__ = [
     "is_torch_loss",
@@ -126,13 +132,15 @@ def torch_function_loss(
     name = getattr(fn, "__name__", type(fn).__name__)
 
     def loss_fn(outputs: Any, batch: Mapping[str, Any]) -> jax.Array:
-        target = batch[target_field(batch, label_key, inputs, name)]
-        # (F.cross_entropy/nll_loss in it refuse the class-index targets torch refuses)
+        key = target_field(batch, label_key, inputs, name)
+        target = batch[key]
+        # (F.cross_entropy/nll_loss in it refuse the class-index targets torch refuses, and
+        # report those outside the classes, naming the field)
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.filterwarnings(
                 "ignore", "Explicitly requested dtype int64 requested in ", UserWarning
             )
-            with class_index_checked():
+            with class_index_checked(), fields_named({key: target}):
                 value = call_torch(_with_fields(fn), outputs, target)
         return jnp.asarray(value, jnp.float32)
 
@@ -306,7 +314,10 @@ def torch_loss_fn(
             losses = rows.sum(1)
         elif class_targets:
             kept = target != ignore
-            _classes_checked(name, jnp.where(kept, target, 0), outputs)
+            field = f"[{target_field(batch, label_key, inputs, name)!r}]"
+            class_range_check(
+                name, target, outputs.shape[1 if outputs.ndim > 1 else 0], ignore, field
+            )
             w = jnp.ones(target.shape) if weight is None else weight[jnp.where(kept, target, 0)]
             counted = (w * kept).reshape(per.shape[0], -1).sum(1)
             total = jnp.sum(counted * real)
@@ -316,21 +327,6 @@ def torch_loss_fn(
         return losses, metrics
 
     return loss_fn
-
-
-def _classes_checked(loss: str, target: jax.Array, outputs: jax.Array) -> None:
-    """Class indices past the output's classes (dim 1, or 0 for one row's scores), refused in
-    the step as torch's ``IndexError: Target N is out of bounds`` (read at the logging
-    cadence, naming the value and the step)."""
-    classes = outputs.shape[1 if outputs.ndim > 1 else 0]
-    jaxcore.guard.index_check(
-        target,
-        classes,
-        f"{loss}: a class-index target holds {{value}} {{where}}, past the model's {classes} "
-        f"classes. torch raises IndexError: Target {{value}} is out of bounds; expected class "
-        f"indices in [0, {classes - 1}] (or the loss's ignore_index). Fix: map the labels "
-        f"into [0, {classes - 1}] in the Dataset, or give the model's last layer more outputs.",
-    )
 
 
 def _describe(outputs: Any) -> str:

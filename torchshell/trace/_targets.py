@@ -10,29 +10,43 @@ origin decides: a batch field that was ``int32``/``uint32`` on the host
 (:func:`bridge.handed_over`, through :func:`jaxcore.concrete_of` while the step is traced)
 is refused, naming the field; an ``int32`` computed in the step (``y.long()``, ``argmax``:
 torch's int64) is taken.
+
+torch also raises ``IndexError: Target N is out of bounds`` for a class index outside
+``[0, C)`` that is not ``ignore_index``; the one-hot select of :mod:`._nll` (and torchax's
+gather) would give that row 0 and train on. Their range is checked inside the compiled step
+(:func:`class_range_checked`, two reductions, :func:`jaxcore.guard.input_check`): the step is
+refused and the shell raises a ``BatchError`` naming the loss, the field, the value and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
 import bridge
+from jaxcore.guard import input_check
 from torchshell._errors import TorchModelError
 from torchshell.trace._float64 import _concrete, any_narrowed
 
 __all__ = [
+    "batch_field",
     "casts_to_long",
     "check_class_target",
     "check_float_target",
     "check_target_dtype",
     "class_index_checked",
+    "class_range_check",
+    "class_range_checked",
+    "fields_named",
 ]
 
 # class-index targets torch refuses that reach the trace in their own dtype
@@ -141,19 +155,117 @@ def check_class_target(loss: str, input_ndim: int, target: Any) -> None:
         check_target_dtype(loss, target)
 
 
+_FIELDS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "torchshell_batch_fields", default=None
+)
+_RANGE_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchshell_class_range_checked", default=False
+)
+
+
+@contextlib.contextmanager
+def fields_named(batch: Any) -> Iterator[None]:
+    """While tracing with ``batch`` (torchax tensors or JAX values): a class-index target
+    that is one of its fields is named by that field (``['y']``) in the range check's error."""
+    named = {
+        id(getattr(t, "_elem", t)): jax.tree_util.keystr(path)
+        for path, t in jax.tree_util.tree_leaves_with_path(batch)
+    }
+    token = _FIELDS.set(named)
+    try:
+        yield
+    finally:
+        _FIELDS.reset(token)
+
+
+def batch_field(value: Any) -> str | None:
+    """The batch field (``['y']``) ``value`` (a torchax tensor or JAX value) is, under
+    :func:`fields_named`; ``None`` for a value computed in the step."""
+    return (_FIELDS.get() or {}).get(id(getattr(value, "_elem", value)))
+
+
+def class_range_message(loss: str, classes: int, ignore_index: int, field: str | None) -> str:
+    """The error of a class index outside ``[0, classes)``, with ``{value}`` and ``{where}``
+    for :func:`jaxcore.guard.input_check` to fill.
+
+    Example:
+        >>> class_range_message("cross_entropy", 4, -100, "['y']").split(" {where}")[0]
+        "cross_entropy: the target batch['y'] holds {value}"
+    """
+    what = f"the target batch{field}" if field else "a class-index target"
+    source = "the labels in the Dataset" if field else "the targets where the model computes them"
+    return (
+        f"{loss}: {what.replace('{', '(').replace('}', ')')} holds {{value}} {{where}}, outside "
+        f"the input's {classes} classes. torch raises IndexError: Target {{value}} is out of "
+        f"bounds; expected class indices in [0, {classes - 1}] or the loss's ignore_index "
+        f"({ignore_index}). Fix: map {source} into [0, {classes - 1}] (or to "
+        f"ignore_index={ignore_index} for rows without a label), or give the model's last "
+        "layer more outputs."
+    )
+
+
+def class_range_check(
+    loss: str, target: Any, classes: int, ignore_index: int, field: str | None = None
+) -> None:
+    """Reports (:func:`jaxcore.guard.input_check`) class indices outside ``[0, classes)``
+    that are not ``ignore_index``, as torch's ``Target N is out of bounds``; ``{value}``: the
+    largest past the classes, else the smallest below 0. Two reductions; outside a step,
+    nothing.
+
+    Example:
+        >>> class_range_check("nll_loss", jnp.array([1, 7]), 4, -100)  # (no step: nothing)
+    """
+    if hasattr(target, "torch") and not hasattr(target, "_elem"):  # (a torchax View)
+        target = target.torch()
+    target = getattr(target, "_elem", target)
+    if not jnp.size(target) or not jnp.issubdtype(jnp.result_type(target), jnp.integer):
+        return
+    field = field if field is not None else batch_field(target)
+    target = jnp.asarray(target).astype(jnp.int32)
+    kept = jnp.where(target != ignore_index, target, 0)
+    low, high = jnp.min(kept), jnp.max(kept)
+    input_check(
+        (low < 0) | (high >= classes),
+        jnp.where(high >= classes, high, low),
+        class_range_message(loss, classes, ignore_index, field),
+    )
+
+
+@contextlib.contextmanager
+def class_range_checked() -> Iterator[None]:
+    """For the duration: the class-index loss being called has had its targets' range
+    checked (:func:`class_range_check`), so the ``nll_loss`` lowering under it does not again."""
+    token = _RANGE_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _RANGE_CHECKED.reset(token)
+
+
+def range_already_checked() -> bool:
+    """Whether :func:`class_range_checked` is in effect (see :mod:`._nll`)."""
+    return _RANGE_CHECKED.get()
+
+
 def _checked(loss: Callable[..., Any]) -> Callable[..., Any]:
-    """``loss`` with its target checked first: :func:`check_class_target` for a class-index
-    loss, :func:`check_float_target` for the others."""
+    """``loss`` with its target checked first: :func:`check_class_target` and, in a step,
+    :func:`class_range_check` for a class-index loss, :func:`check_float_target` for the
+    others."""
     name = loss.__name__
     classes = name in ("cross_entropy", "nll_loss")
+    signature = inspect.signature(loss)
 
     @functools.wraps(loss)
     def checked(input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        if classes:
-            check_class_target(name, input.ndim, target)
-        else:
+        if not classes:
             check_float_target(name, input, target)
-        return loss(input, target, *args, **kwargs)
+            return loss(input, target, *args, **kwargs)
+        check_class_target(name, input.ndim, target)
+        ignore = signature.bind(input, target, *args, **kwargs).arguments.get("ignore_index")
+        ignore = -100 if ignore is None else int(ignore)
+        class_range_check(name, target, input.shape[1 if input.ndim > 1 else 0], ignore)
+        with class_range_checked():
+            return loss(input, target, *args, **kwargs)
 
     return checked
 
