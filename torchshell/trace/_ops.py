@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from torchshell._errors import TorchModelError
+from torchshell.trace._autocast import mixed_precision
 from torchshell.trace._float64 import host_dtype_names, narrowed_weights
 
 
@@ -290,13 +291,22 @@ def reduced_compute(params: Any, params0: Any) -> Iterator[None]:
         ...     _REDUCED.get()
         True
     """
+    lowered = any(
+        k in params0
+        and jnp.dtype(v.dtype) in (jnp.bfloat16, jnp.float16)
+        and jnp.dtype(params0[k].dtype) == jnp.float32
+        for k, v in params.items()
+    )
     cast = torch.get_default_dtype() == torch.bfloat16 or any(
         k in params0 and jnp.dtype(v.dtype) != jnp.dtype(params0[k].dtype)
         for k, v in params.items()
     )
     token = _REDUCED.set(cast or narrowed_weights(params0))  # (a .double() module)
+    # float32 weights computed in bfloat16: precision="bf16-mixed", torch's autocast region
+    mixed = mixed_precision(lowered and torch.get_default_dtype() == torch.float32)
     try:
-        yield
+        with mixed:
+            yield
     finally:
         _REDUCED.reset(token)
 
