@@ -3,11 +3,12 @@
 # budget (TPU_SH_BUDGET=520 s after the install), one table at the end.
 # A stage that fails or runs out of time is a FAILED row (its log's tail printed under the
 # table) and the others still run; each stage's output (its rows) shows as it runs.
-#   1. encoder: a Whisper-base-sized encoder (d=512 x6, 1,500 frames, B=16, bf16) as a pure
-#      Flax step, through JaxModule, through from_torch (gpu_encoder.py);
-#   2. models: Whisper-base encoder classifier, ViT-B/16 and GPT-2 small, each a team's
-#      LightningModule through JaxModule.from_lightning beside a pure-Flax twin of the same
-#      shapes and optimizer: steps/s, MFU, the ratio (tpu_models.py);
+#   1. encoder: a Whisper-base-sized encoder (d=512 x6, 1,500 frames, B=16, bf16) four ways: a
+#      pure Flax step, JaxModule, from_torch, from_lightning (gpu_encoder.py --ways r,a,t,l);
+#   2. models: ViT-B/16 and GPT-2 small, each a team's LightningModule through
+#      JaxModule.from_lightning beside a pure-Flax twin of the same shapes and optimizer:
+#      steps/s, MFU, the ratio (tpu_models.py --models vit,gpt; its Whisper-base classifier
+#      runs alone: stage 1 has the encoder);
 #   3. speech: the default speech recipe through `coreshell train data.front_end=device`
 #      (tpu_speech.py: MLflow to SQLite, Orbax checkpoints, export and its parity);
 #   4. transfer: a torch batch onto the chip, bridge.to_jax against bare jax.device_put
@@ -21,7 +22,7 @@
 #   benchmarks/tpu.sh --fetch-wheels      (torchax, lightning, lightning-utilities,
 #                                          torchmetrics, torchdata, hydra-core, omegaconf, an
 #                                          antlr4 wheel built from its sdist; the speech
-#                                          recipe's torchaudio, espeakng-loader, MLflow; 31 MB)
+#                                          recipe's torchaudio, espeakng-loader, MLflow, soundfile; 33 MB)
 # and the device call names .whl-tpu in `carry` (docs/tpu.md). Everything installs under
 # /tmp/site (TPU_SITE), after the machine's JAX on PYTHONPATH.
 #
@@ -33,14 +34,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-}"
-# the wheels the TPU machine's index lacks (.whl-tpu/, 31 MB): pure Python ones, then the
+# the wheels the TPU machine's index lacks (.whl-tpu/, 33 MB): pure Python ones, then the
 # speech recipe's host stack: torchaudio 2.11.1 (the newest build; it runs beside torch 2.13),
 # eSpeak NG's loader (libespeak-ng and its voices), MLflow's client (mlflow-skinny) with the
-# two of its needs the index lacks, and `mlflow` itself (installed without its server's needs)
+# two of its needs the index lacks, and `mlflow` itself (installed without its server's needs);
+# soundfile's manylinux wheel (libsndfile inside: the index's py2.py3-none-any one wants the
+# system's libsndfile.so, which that machine lacks: the recipe's data module failed to import)
 CARRIED=(torchax==0.0.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
          torchdata==0.11.0 hydra-core==1.3.8 omegaconf==2.3.1 torchaudio==2.11.1
          espeakng-loader==0.2.4 mlflow-skinny==3.17.2 databricks-sdk==0.156.0
-         opentelemetry-semantic-conventions==0.66b0)
+         opentelemetry-semantic-conventions==0.66b0 soundfile==0.14.0)
 MLFLOW=mlflow==3.17.2
 if [[ $MODE == --fetch-wheels ]]; then  # here, where a registry is reachable
   mkdir -p .whl-tpu
@@ -135,9 +138,9 @@ stage() {
 # (the dry run's limits are a loaded 2-core CPU's: in the suite beside the other worker its
 # tiny models took 18-38 s to their first step each, the whole run ~600 s)
 lim() { if [[ $DRY == 1 ]]; then echo "$2"; else echo "$1"; fi; }
-stage models "$(lim 450 900)" "$PY" benchmarks/tpu_models.py "${MODELS[@]}" \
+stage models "$(lim 450 900)" "$PY" benchmarks/tpu_models.py --models vit,gpt "${MODELS[@]}" \
   --json "$WORK/models.json"
-stage encoder "$(lim 270 600)" "$PY" benchmarks/gpu_encoder.py "${ENC[@]}" \
+stage encoder "$(lim 270 600)" "$PY" benchmarks/gpu_encoder.py --ways r,a,t,l "${ENC[@]}" \
   --json "$WORK/encoder.json"
 stage transfer "$(lim 60 300)" "$PY" benchmarks/tpu_transfer.py "${TRANSFER[@]}" \
   --json "$WORK/transfer.json"

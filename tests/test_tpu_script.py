@@ -40,8 +40,10 @@ def test_tpu_script_dry_run_prints_every_row() -> None:
     table = out.split("| benchmark | case | metric |", 1)[1]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     encoder = [r for r in rows if r.startswith("| gpu encoder d=32")]
-    assert len(encoder) == 3 and any("from_torch" in r for r in encoder)
-    for model in ("Whisper-base encoder", "ViT-B/16", "GPT-2 small"):
+    assert len(encoder) == 4 and any("from_torch" in r for r in encoder)
+    assert any("(l) JaxModule.from_lightning" in r for r in encoder)
+    assert not [r for r in rows if r.startswith("| tpu Whisper-base encoder ")]  # (stage 1's)
+    for model in ("ViT-B/16", "GPT-2 small"):
         mine = [r for r in rows if r.startswith(f"| tpu {model} ")]
         assert any("(f) pure-Flax twin" in r and "| steps/s |" in r for r in mine), mine
         assert any("(j) JaxModule.from_lightning" in r and "| steps/s |" in r for r in mine)
