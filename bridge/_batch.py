@@ -336,7 +336,8 @@ def to_jax(
         def hand_over(name: str, t: torch.Tensor) -> jax.Array:
             ready = prepare(name, t, strict=strict, stats=stats)
             out = _place_single(name, ready, strict=strict, stats=stats, own=ready is t)
-            remember(name, t.dtype, out)  # (an int32 field: JAX shows it as a narrowed int64)
+            if t.dtype in AMBIGUOUS:  # (an int32 field: JAX shows it as a narrowed int64)
+                remember(name, t.dtype, out)
             return out
 
         if flat is not None:
