@@ -46,8 +46,20 @@ def quiet_env(smoke: bool = False) -> dict[str, str]:
     XLA's CPU backend unoptimised (:data:`SMOKE_XLA_FLAGS`)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if smoke:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip()
+        env["XLA_FLAGS"] = with_flags(env.get("XLA_FLAGS", ""), SMOKE_XLA_FLAGS)
     return env
+
+
+def with_flags(flags: str, more: str) -> str:
+    """``flags`` with those of ``more`` it lacks appended, each once: JAX's persistent
+    compilation cache keys on the XLA_FLAGS words (a repeated flag is another key), so a child
+    given the smoke flags twice would miss the programs its siblings compiled.
+
+    Example:
+        >>> with_flags("--a=1 --b", "--b --c")
+        '--a=1 --b --c'
+    """
+    return " ".join(dict.fromkeys(f"{flags} {more}".split()))
 
 
 def train_cmd(tmp: Path, name: str, *overrides: str, prefix: list[str] | None = None) -> list[str]:

@@ -87,7 +87,13 @@ def child(cache_dir: str | None, layers: int) -> dict[str, float]:
 
 
 def run(cache_dir: str | None, layers: int, devices: int) -> dict[str, float]:
-    env = dict(os.environ)
+    # JAX's own cache settings left out (a test may pass its cache to the children it
+    # starts): the cache here is the one this benchmark chooses, or none
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+    }
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, __file__, "--child", "--layers", str(layers)]

@@ -238,7 +238,9 @@ def child_env(tiny: bool = False) -> dict[str, str]:
     """
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} {SMOKE_XLA_FLAGS}".strip() if tiny else flags.strip()
+    if tiny:  # each flag once (JAX's persistent cache keys on the words: see _runs.with_flags)
+        flags = " ".join(dict.fromkeys(f"{flags} {SMOKE_XLA_FLAGS}".split()))
+    env["XLA_FLAGS"] = flags.strip()
     if not env["XLA_FLAGS"]:
         del env["XLA_FLAGS"]
     return env

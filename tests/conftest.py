@@ -30,6 +30,18 @@ os.environ.setdefault("CORESHELL_CACHE_DIR", tempfile.mkdtemp(prefix="coreshell-
 # cache off or elsewhere (jaxcore/test_compile.py, compile_cache_dir=null) gets it back only
 # after it ends (_compile_cache below). The children a test starts choose their own cache.
 COMPILE_CACHE = Path(os.environ["CORESHELL_CACHE_DIR"]).expanduser().resolve() / "jax"
+# The same cache for the benchmark scripts a test starts (tpu.sh's and gpu.sh's dry runs,
+# run.py --tiny), by JAX's own variables: several of them compile the same tiny programs (the
+# encoder of gpu_encoder.py in both dry runs, the three LightningModules' from_lightning steps,
+# the digits MLP's on the user's loader), and a hit reads what XLA wrote for an identical
+# program (user_path.py's forms and peers compile the same steps in new jitted functions
+# within one process too). CPU-s, 2026-12-08 at load 6-13: test_benchmarks.py's tiny run
+# 266 -> 216; gpu.sh's dry run after tpu.sh's 77 -> 59.
+CHILD_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": str(COMPILE_CACHE),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # (its default, 1 s, skips most)
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
 
 # The files that take minutes, longest first. `make test`'s two workers take whole files in
 # collection order (`--dist loadfile --no-loadscope-reorder`, Makefile): the long files start
@@ -76,3 +88,9 @@ def _compile_cache() -> Iterator[None]:
     if jax.config.jax_compilation_cache_dir != str(COMPILE_CACHE):
         jaxcore.enable_compile_cache(COMPILE_CACHE)
     yield
+
+
+@pytest.fixture(scope="session")
+def child_cache_env() -> dict[str, str]:
+    """JAX's variables that put a child process on the suite's compilation cache (above)."""
+    return dict(CHILD_CACHE_ENV)
