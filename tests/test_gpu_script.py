@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(1200)  # its stages' limits add up to 1,080 s (a loaded machine's)
-def test_gpu_script_dry_run_prints_one_table() -> None:
+def test_gpu_script_dry_run_prints_one_table(child_cache_env: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # JAX's own device count
-    env["PY"] = sys.executable
+    env |= {"PY": sys.executable, **child_cache_env}  # the suite's compile cache (conftest)
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"],
         cwd=ROOT,

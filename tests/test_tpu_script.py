@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(1800)  # its stages' dry-run limits: a loaded 2-core machine's
-def test_tpu_script_dry_run_prints_every_row() -> None:
+def test_tpu_script_dry_run_prints_every_row(child_cache_env: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # JAX's own device count
-    env["PY"] = sys.executable
+    env |= {"PY": sys.executable, **child_cache_env}  # the suite's compile cache (conftest)
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "tpu.sh"), "--dry-run"],
         cwd=ROOT,
