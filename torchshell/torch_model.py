@@ -39,9 +39,9 @@ from torch import nn
 from jaxcore import ModelFns
 from torchshell import trace as patterns
 from torchshell._errors import TorchModelError
+from torchshell.trace._dtypes import reduced_compute
 from torchshell.trace._hf import no_kv_cache
 from torchshell.trace._messages import is_lowering_error, is_raw, lowering_error
-from torchshell.trace._ops import reduced_compute
 from torchshell.trace._state_dict import params_to_state_dict
 from torchshell.trace._static import STATIC_KEY, StaticSpec, _concrete, _inputs, specialise_batch
 

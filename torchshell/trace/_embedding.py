@@ -142,7 +142,7 @@ def _renorm_refused(weight: Any, indices: Any, max_norm: float, norm_type: float
     """``nn.Embedding(max_norm=...)``: refused, naming it (torchax's lowering read the
     indices' values and its error spoke of "a constant tensor passed where a number is
     read")."""
-    from torchshell.trace._ops import _module_site
+    from torchshell.trace._dtypes import _module_site
 
     raise TorchModelError(
         f"nn.Embedding(max_norm={max_norm:g}) (or F.embedding(..., max_norm=)) in "
