@@ -95,8 +95,10 @@ class LightningCheckpoint(CheckpointLayout):
         self.host_versions = tensor_versions(self.port.module)
 
     def before_step(self, module: Any) -> None:
-        """What the user's host hooks changed in place, into the state before the step."""
-        self.write_back_host(module)
+        """What the user's host hooks changed in place, into the state before the step (only
+        compared when host code read the weights since the last sync)."""
+        if self.host_versions:
+            self.write_back_host(module)
 
     def write_back_host(self, module: Any) -> None:
         """Weights the user's host code changed in place since they were synced into the

@@ -249,6 +249,8 @@ class LightningHooks(ModuleHooks):
         as Lightning gives it). This runs the batch's forward pass alone, so such a module
         computes it twice per batch.
         """
+        if self.port.returns_more == (False, False) and module.flags.accumulate == 1:
+            return None  # (the common case, known once training_step was traced)
         module.init_state(batch)  # (the first batch traces training_step: now it is known)
         if self.port.returns_more is None:  # (the state came from an eval batch: shapes only)
             s, placed, port = module.state, module.adapter.to_jax(batch), self.port

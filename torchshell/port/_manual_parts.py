@@ -35,6 +35,7 @@ __all__ = ["MANUAL_REFUSED", "LightningSteps"]
 # runs under manual optimization (optimizer_step, on_before_zero_grad, lr_scheduler_step,
 # configure_gradient_clipping), here neither.
 MANUAL_REFUSED = ("backward", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+_NOT_COUNTED = contextlib.nullcontext()  # (automatic optimization: Lightning's own count)
 
 
 class LightningSteps(TrainSteps):
@@ -153,11 +154,14 @@ class LightningSteps(TrainSteps):
     def step_for(self, module: Any, micro: int, jbatch: Any) -> jaxcore.Step:
         """The compiled step traced with the Trainer values of this batch (traced anew for
         values none was traced with)."""
-        if module.compiled.train is None:  # rebuilt (new flags, a new optimizer): none holds
+        compiled = module.compiled
+        if compiled.train is None:  # rebuilt (new flags, a new optimizer): none holds
             self.host_steps.clear()
         elif self.host_steps and self.host_steps[0][0]:  # (no reads: the one program)
             found = (s for reads, s in self.host_steps if reads_hold(module.trainer, reads))
-            module.compiled.train = next(found, None)
+            compiled.train = next(found, None)
+        if compiled.train is not None and module.flags.accumulate == 1:
+            return compiled.train  # type: ignore[no-any-return]  # (one batch: no window)
         step = super().step_for(module, micro, jbatch)
         if not self.window_reads_step(module, jbatch):
             return step
@@ -181,8 +185,10 @@ class LightningSteps(TrainSteps):
 
     def counted(self, module: Any) -> contextlib.AbstractContextManager[None]:
         """Under manual optimization ``global_step`` counts ``opt.step()`` calls, as in
-        Lightning (two optimizers stepped: two per batch)."""
-        return self._counting(module) if self.manual else super().counted(module)
+        Lightning (two optimizers stepped: two per batch); else nothing to count."""
+        if self.port.module.automatic_optimization:
+            return _NOT_COUNTED
+        return self._counting(module)
 
     @contextlib.contextmanager
     def _counting(self, module: Any) -> Iterator[None]:
@@ -195,9 +201,14 @@ class LightningSteps(TrainSteps):
 
     # -- logging: Lightning's logger step under manual optimization counts batches ----------
     def align_logger_step(self, module: Any) -> None:
-        """(Lightning's own count, batches, is the logger step under manual optimization.)"""
-        if not self.manual:
-            super().align_logger_step(module)
+        """Lightning's logger step during a batch is the optimizer steps before it, as in a
+        plain automatic-optimization run (Lightning counts this module's batches, as it
+        steps no torch optimizer): so what ``self.log`` logs in an epoch-end hook lands at
+        the step plain Lightning gives it, also under ``accumulate_grad_batches``. Under
+        manual optimization Lightning's own count, batches, is the logger step: left."""
+        trainer = module._trainer
+        if trainer is not None and self.port.module.automatic_optimization:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
     def log_step(self, module: Any) -> int:
         """Under manual optimization plain Lightning logs a batch's values at the batches
@@ -207,11 +218,15 @@ class LightningSteps(TrainSteps):
         return int(module.trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def logging_step(self, module: Any, before: int) -> bool:
-        """Under manual optimization every ``log_every_n_steps``-th batch, as Lightning."""
-        if not self.manual:
-            return super().logging_step(module, before)
-        every = max(int(module.trainer.log_every_n_steps), 1)
-        return (self.log_step(module) + 1) % every == 0
+        """Whether the step that just ran logs: it completed a multiple of
+        ``log_every_n_steps`` optimizer steps (``before``: ``global_step`` before it), as
+        :meth:`TrainSteps.logging_step`; under manual optimization every
+        ``log_every_n_steps``-th batch, as Lightning."""
+        trainer = module._trainer
+        every = max(int(trainer.log_every_n_steps), 1)
+        if self.port.module.automatic_optimization:
+            return bool(trainer.global_step // every > before // every)
+        return (int(trainer.fit_loop.epoch_loop._batches_that_stepped) + 1) % every == 0
 
     def host_schedulers(self, module: Any) -> Any:
         """``self.lr_schedulers()`` in the user's host hooks (``on_train_epoch_end``...) under

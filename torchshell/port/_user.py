@@ -81,15 +81,27 @@ class LightningLogs(TrainLogs):
         # on-step values, the last of the epoch (as Lightning's results: kept on later steps)
         self._last: dict[str, Any] = {}
         self._last_epoch, self._specs = -1, dict[str, LogSpec]()
+        # what the traces log, worked out when a trace is new (:meth:`_train_specs`)
+        self._seen: tuple[Any, Any] = (None, None)
+        self._train, self._on_epoch = dict[str, LogSpec](), dict[str, LogSpec]()
+        self._on_step: list[tuple[str, str, str]] = []  # (name, each batch's key, the key)
+        self._once: set[str] = set()  # the gradient hooks' own: once per optimizer step
 
     def _train_specs(self) -> dict[str, LogSpec]:
-        # (what on_after_backward/on_before_optimizer_step log is reported as a step's value)
-        return {**self._step_specs(), **self.port.specs[GRADS_HOOK]}
-
-    def _step_specs(self) -> dict[str, LogSpec]:
-        """What any specialisation logs (``f"{task}_loss"``; the port: the last traced)."""
-        self._specs.update(self.port.specs["training_step"])
-        return self._specs
+        """What ``training_step`` (any specialisation: ``f"{task}_loss"``) and the gradient
+        hooks log (reported as the step's values); worked out anew after a new trace (the
+        port's specs: a new dict per trace)."""
+        step, grads = self.port.specs["training_step"], self.port.specs[GRADS_HOOK]
+        if step is not self._seen[0] or grads is not self._seen[1]:
+            self._seen = (step, grads)
+            self._specs.update(step)
+            self._train = train = {**self._specs, **grads}
+            self._on_step = [
+                (n, f"{MICRO}log/{n}", f"log/{n}") for n, s in train.items() if s.on_step
+            ]
+            self._on_epoch = {n: s for n, s in train.items() if s.on_epoch and s.metric is None}
+            self._once = set(grads) - set(self._specs)
+        return self._train
 
     def train_values(self, module: Any, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The loss under ``system/coreshell.train.``, the user's on-step values as named."""
@@ -109,18 +121,6 @@ class LightningLogs(TrainLogs):
     def user_names(self, module: Any) -> set[str]:
         """The names ``training_step`` (and the gradient hooks) log."""
         return set(self._train_specs())
-
-    def align_logger_step(self, module: Any) -> None:
-        """Lightning's logger step during a batch is the optimizer steps before it, as in a
-        plain automatic-optimization run (Lightning counts this module's batches, as it
-        steps no torch optimizer): so what ``self.log`` logs in an epoch-end hook lands at
-        the step plain Lightning gives it, also under ``accumulate_grad_batches``.
-
-        (Under manual optimization the step group, ``LightningSteps``, keeps Lightning's own
-        count.)"""
-        if module._trainer is not None:
-            trainer = module.trainer
-            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
     def log_step(self, module: Any) -> int:
         """The step plain Lightning logs a training ``self.log`` value at: the optimizer
@@ -158,21 +158,21 @@ class LightningLogs(TrainLogs):
         to the epoch's sums (weighted by rows or the ``batch_size=`` they were logged with)."""
         if self.port.metric_calls["training_step"]:
             self._metric_objects(module, metrics)
+        self._train_specs()  # (after a new trace: what it logs, worked out anew)
         if (epoch_now := getattr(module._trainer, "current_epoch", 0)) != self._last_epoch:
             self._last, self._last_epoch = {}, epoch_now  # (Lightning's results: afresh)
-        for name, spec in self._train_specs().items():
-            value = metrics.get(f"{MICRO}log/{name}", metrics.get(f"log/{name}"))
-            if spec.on_step and value is not None:
+        for name, each_key, key in self._on_step:
+            value = metrics.get(each_key, metrics.get(key))
+            if value is not None:
                 self._last[name] = value
-        epoch = {n: s for n, s in self._train_specs().items() if s.on_epoch and s.metric is None}
-        if not epoch:
+        if not self._on_epoch:
             return
         new = {}
         micro_rows = module.accumulation.micro_rows  # each batch's rows of the last window
         # logged once per optimizer step (on_before_optimizer_step): Lightning weighs it by
         # the batch it ran after, an accumulation window's last one
-        once = set(self.port.specs[GRADS_HOOK]) - set(self._step_specs())
-        for name, spec in epoch.items():
+        once = self._once
+        for name, spec in self._on_epoch.items():
             each = metrics.get(f"{MICRO}log/{name}")  # accumulated batches: each its own
             size = f"log/{BATCH_SIZE_KEY}{name}"  # the batch_size= it was logged with
             if each is None and f"log/{name}" not in metrics:
@@ -189,7 +189,11 @@ class LightningLogs(TrainLogs):
             if spec.reduce_fx == "sum":  # Lightning sums the logged values, unweighted
                 weight = jnp.ones(v.shape, jnp.float32)
             new[name] = (jnp.sum(v * weight), jnp.sum(weight), jnp.max(v), jnp.min(v))
-        old = self._epoch or {}
+        old = self._epoch
+        if old is not None and old.keys() == new.keys():  # (the same names every batch)
+            self._epoch = _accumulate(old, new)
+            return
+        old = old or {}
         both = {k: old[k] for k in new if k in old}  # (names some batches log, others not)
         self._epoch = {**old, **new, **(_accumulate(both, {k: new[k] for k in both}))}
 
