@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -49,17 +49,22 @@ def rows(batch: PyTree, *, skip: tuple[str, ...] = ()) -> int:
         >>> rows({"mask": torch.ones(8), "y": torch.ones(6)}, skip=("mask",)), rows({})
         (6, 0)
     """
-    items: Iterator[Any]
+    items: Any
     if isinstance(batch, Mapping):
-        items = (v for k, v in batch.items() if k not in skip)
+        items = batch.items()
     elif isinstance(batch, (list, tuple)):
-        items = iter(batch)
+        items = enumerate(batch)
     elif isinstance(batch, _ARRAYS):
         return int(batch.shape[0]) if batch.ndim else 0
     else:
         return 0
-    for item in items:
-        if n := rows(item):
+    for key, item in items:  # (an array read here, a container by a call: one call a batch)
+        if skip and key in skip:
+            continue
+        if isinstance(item, _ARRAYS):
+            if item.ndim:
+                return int(item.shape[0])
+        elif n := rows(item):
             return n
     return 0
 
