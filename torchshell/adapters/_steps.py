@@ -89,5 +89,6 @@ class TrainSteps:
         """Whether the step that just ran (``before``: ``global_step`` before it) is a
         logging step: it completed a multiple of ``log_every_n_steps`` optimizer steps, as
         Lightning's ``(step + 1) % log_every_n_steps == 0``."""
-        every = max(int(module.trainer.log_every_n_steps), 1)
-        return bool(module.trainer.global_step // every > before // every)
+        trainer = module._trainer  # (attached: no property walk per step)
+        every = max(int(trainer.log_every_n_steps), 1)
+        return bool(trainer.global_step // every > before // every)

@@ -90,7 +90,7 @@ def train_batch(module: JaxModule, batch: Any, batch_idx: int = 0) -> Any:
         if module._state is None and module.compiled.train is None and m == 1:
             compile_beside_init(module, one, micro, jbatch)
         module.init_state(one)
-        before = module.trainer.global_step
+        before = module._trainer.global_step  # type: ignore[union-attr]
         metrics = _run_step(module, adapter.steps.step_for(module, micro, jbatch), jbatch, one)
         _count_steps(module, steps)
         rows_ *= micro if m > 1 else 1
@@ -282,7 +282,8 @@ def step_forward(module: JaxModule, batch: Any, i: int) -> tuple[Any, jax.Array]
 def init_state(module: JaxModule, batch: Any) -> jaxcore.TrainState:
     """The train state, built from a sample batch (shapes only) on first use (restored from
     what a checkpoint left waiting, and the adapter's own layout)."""
-    if module.state is None:
+    state = module.state  # (read once: a property, running any buffered batches first)
+    if state is None:
         pending, module.compiled.pending = (
             module.compiled.pending or start_state(module, batch),
             None,
@@ -293,6 +294,5 @@ def init_state(module: JaxModule, batch: Any) -> jaxcore.TrainState:
         module.summary = param_summary(state.params)
         if module.print_summary and (module._trainer is None or module.trainer.is_global_zero):
             print(f"JAX params on mesh {dict(module.mesh.shape)}:\n{module.summary}")
-        module.state = module.adapter.checkpoint.restored(module, state)  # (the user's layout)
-    assert module.state is not None
-    return module.state
+        module.state = state = module.adapter.checkpoint.restored(module, state)  # (user's layout)
+    return state  # type: ignore[no-any-return]
