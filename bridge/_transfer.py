@@ -20,7 +20,7 @@ from jax.sharding import Sharding
 
 from bridge._batch import _is_host_device, _leaf_sharding, _on_cpu, _place_single
 from bridge._convert import NARROW
-from bridge._dlpack import SUPPORTED, copied_shard_bytes, prepare
+from bridge._dlpack import ALIGN, SUPPORTED, _policy_copy, copied_shard_bytes
 from bridge._origin import AMBIGUOUS, remember
 from bridge._stats import TransferStats
 
@@ -77,34 +77,45 @@ class BatchTransfer:
         return cls(sample, sharding, stats)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, jax.Array]:
-        """``batch`` (of the planned form) on its sharding."""
-        stats = self.stats
+        """``batch`` (of the planned form) on its sharding: one loop over the fields, the
+        copy policy's test inline (:func:`bridge._dlpack.prepare`'s, the tensors on the CPU)
+        and its copy only for a field that needs one (an ``int64`` field: narrowed, its range
+        checked, every batch)."""
+        stats, names, sharded = self.stats, self.names, self.shardings is not None
         stats.transfers += 1
-        ready = [prepare(name, batch[name], strict=False, stats=stats) for name in self.names]
+        ready: list[torch.Tensor] = []
+        local = []
+        for name in names:
+            t = batch[name]
+            if not (
+                t.dtype in SUPPORTED
+                and not t.requires_grad
+                and t.is_contiguous()
+                and not t.data_ptr() % ALIGN
+                and not t.is_pinned()
+            ):
+                t = _policy_copy(name, t, strict=False, stats=stats)
+            ready.append(t)
+            if sharded:
+                local.append(t.numpy())
         if self.shardings is None:
-            out = [
-                _place_single(name, r, strict=False, stats=stats, own=r is batch[name])
-                for name, r in zip(self.names, ready, strict=True)
-            ]
+            out = []
+            for name, r in zip(names, ready, strict=True):
+                out.append(_place_single(name, r, strict=False, stats=stats, own=r is batch[name]))
         else:
-            local = [r.numpy() for r in ready]
             out = jax.make_array_from_process_local_data(self.shardings, local)
             if not self.on_host:  # (a device's memory: one host-to-device copy of each field)
                 stats.host_to_device_bytes += sum(map(_NBYTES, ready))
-                return self._named(batch, out)
-            if self.copied is None:  # (the same layout each batch: JAX copies the same shards)
+            elif self.copied is None:  # (the same layout each batch: JAX copies the same shards)
                 self.copied = [copied_shard_bytes(x, r) for x, r in zip(out, ready, strict=True)]
-            for name, r, copied in zip(self.names, ready, self.copied, strict=True):
+            for name, r, copied in zip(names, ready, self.copied or (), strict=False):
                 if copied:
                     stats.record_copy(
                         name, "JAX copied shards whose host offset is not 64-byte aligned", copied
                     )
                 if r is batch[name]:
                     stats.zero_copy_bytes += max(r.nbytes - copied, 0)
-        return self._named(batch, out)
-
-    def _named(self, batch: dict[str, torch.Tensor], out: list[jax.Array]) -> dict[str, jax.Array]:
-        for name, keep, x in zip(self.names, self.remembered, out, strict=True):
+        for name, keep, x in zip(names, self.remembered, out, strict=True):
             if keep:
                 remember(name, batch[name].dtype, x)
-        return dict(zip(self.names, out, strict=True))
+        return dict(zip(names, out, strict=True))

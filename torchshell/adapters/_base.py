@@ -133,7 +133,7 @@ class Adapter:
       checkpoint's ``state_dict``; torch's ``_IncompatibleKeys``.
     - ``restored(module, state)``: when the state is first built; the state to train.
     - ``synced(module)``: after the trained weights went into ``torch_module``; ``None``.
-    - ``before_step(module)``: at the start of each ``training_step``; ``None``.
+    - ``before_step(module)``: at a ``training_step``'s start while ``host_versions``; ``None``.
 
     ``logs`` (:class:`~torchshell.adapters._logs.TrainLogs`: the loss function's metrics
     as ``train/<name>``; the port's are the user's ``self.log`` names and options):
@@ -162,11 +162,10 @@ class Adapter:
     - ``compile_train_step(module, micro, state, jbatch)``: on the first batch (beside the
       state's init) or after the step was dropped; ``None`` (``module.compiled.train`` set).
     - ``step_for(module, micro, jbatch)``: before each call; the compiled step to call.
-    - ``counted(module)``: around each ``training_step``; a context manager (``global_step``
-      counts what the port's manual steps call ``opt.step()``).
+    - ``counted(module)``: around a ``training_step`` where ``counts``; a context manager
+      (``global_step`` counts what the port's manual steps call ``opt.step()``).
     - ``align_logger_step(module)`` / ``log_step(module)``: as ``logs``'s (which the default
-      calls); ``logging_step(module, before)``: after each step; whether it is a logging
-      step.
+      calls); ``logging_step(module, before)``: after each step; whether the step logs.
 
     ``evaluation`` (:class:`~torchshell.adapters.EvalHooks`: the loss function as
     exact masked means; the port's runs the user's own hooks, traced):
@@ -188,8 +187,8 @@ class Adapter:
     - ``attribute(module, name)`` / ``set_attribute(module, name, value)``: attributes the
       module does not hold itself (the user's, ``batch_size``).
     - ``wants_outputs(module)``: whether the model reads ``on_train_batch_end``'s outputs.
-    - ``outputs_ahead(module, batch, i, raw)``: before each step; ``on_train_batch_end``'s
-      outputs computed ahead of the step, or ``None``.
+    - ``outputs_ahead(module, batch, i, raw)``: before each step (one batch's: where ``ahead``);
+      ``on_train_batch_end``'s outputs computed ahead of the step, or ``None``.
     - ``grads_fn(module)``: when a step is built; the step's gradient hook, or ``None``.
 
     Args:
@@ -200,6 +199,7 @@ class Adapter:
 
     torch_module: torch.nn.Module | None = None
     weigh_rows = True  # a micro-batch weighs its valid rows (exact masked means)
+    checks_fields = True  # checked checks something (else the training step skips it)
     unaligned = False  # the fields' rows differ (a graph batch): learned from the first batch
     supports_windows = True  # K batches per call (the port: False, the user's self.log per step)
 

@@ -26,6 +26,11 @@ class CheckpointLayout:
         {}
     """
 
+    host_versions: Any = None
+    """What :meth:`before_step` compares with (the port's: the user's tensors' versions when
+    host code read the weights); while it is empty the module's training step skips
+    :meth:`before_step`."""
+
     def save(self, module: Any, checkpoint: dict[str, Any]) -> None:
         """``on_save_checkpoint``, after the JAX state and the RNG were written."""
 

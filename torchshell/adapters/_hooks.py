@@ -137,6 +137,10 @@ class ModuleHooks:
         self.values: dict[str, Any] = {}  # attributes set through the module (batch_size)
         self.table = SimpleNamespace()  # TABLE_HOOKS: what the module's properties give
         self.dispatches = type(self).run is not ModuleHooks.run  # (else the module skips run)
+        # outputs_ahead may give a batch's outputs outside accumulation windows (else the
+        # module's training step skips it there: the port's, until training_step was traced
+        # returning its loss alone)
+        self.ahead = False
 
     def attach(self, module: Any) -> None:
         """At the end of the module's ``__init__``: the hook table, the module's own

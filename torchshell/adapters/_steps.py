@@ -72,6 +72,9 @@ class TrainSteps:
         assert module.compiled.train is not None
         return module.compiled.train  # type: ignore[no-any-return]
 
+    counts = False
+    """Whether :meth:`counted` counts anything (else the module's training step skips it)."""
+
     def counted(self, module: Any) -> contextlib.AbstractContextManager[None]:
         """The context a ``training_step`` runs in (its optimizer steps counted by it)."""
         return contextlib.nullcontext()

@@ -42,22 +42,22 @@ class _Gather:
         self.collate = collate
 
     def fetch(self, index: Any) -> Any:
+        """Each tensor's ``t[rows]``, copied by numpy into a torch-allocated tensor (in one
+        loop: no call per tensor): torch's indexing splits over its intra-op threads, which
+        wait for the cores a running step holds (at torch's default 2 threads here the gather
+        took 9x longer than at 1 and the step slowed)."""
         rows = np.asarray(index, dtype=np.int64)
-        gathered = [_take(t, rows) for t in self.tensors]
+        gathered = []
+        for t in self.tensors:
+            if t.device.type != "cpu" or t.dtype == torch.bfloat16 or t.requires_grad:
+                gathered.append(t[torch.as_tensor(rows)])
+                continue
+            out = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype)
+            np.take(t.numpy(), rows, axis=0, out=out.numpy())
+            gathered.append(out)
         if self.collate is default_collate:
             return gathered  # (what default_collate makes of the rows' tuples)
         return self.collate(list(zip(*(g.unbind(0) for g in gathered), strict=True)))
-
-
-def _take(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-    """``t[rows]``, copied by numpy into a torch-allocated tensor: torch's indexing splits over
-    its intra-op threads, which wait for the cores a running step holds (at torch's default 2
-    threads here the gather took 9x longer than at 1 and the step slowed)."""
-    if t.device.type != "cpu" or t.dtype == torch.bfloat16 or t.requires_grad:
-        return t[torch.as_tensor(rows)]
-    out = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype)
-    np.take(t.numpy(), rows, axis=0, out=out.numpy())
-    return out
 
 
 def _gathering_iterator(loader: DataLoader) -> Any:

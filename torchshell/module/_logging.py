@@ -35,15 +35,13 @@ def outputs_wanted(module: JaxModule) -> bool:
     (Lightning's and coreshell's own callbacks never read the outputs.) The model's own
     hooks may too (``adapter.hooks.wants_outputs``: the port's ``on_train_batch_end``).
     """
-    if module.adapter.hooks.wants_outputs(module):
-        return True
     trainer = module._trainer
     if trainer is None:
-        return False
+        return bool(module.adapter.hooks.wants_outputs(module))
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     key = (id(trainer), len(callbacks))
-    if module._wants_outputs[0] != key:  # once per fit, not step
-        wanted = any(
+    if module._wants_outputs[0] != key:  # once per fit, not step (the model's hooks too)
+        wanted = module.adapter.hooks.wants_outputs(module) or any(
             not type(cb).__module__.startswith(("lightning.", "torchshell."))
             and is_overridden("on_train_batch_end", cb, parent=L.Callback)
             for cb in callbacks

@@ -15,6 +15,7 @@ Which step function, and how its optimizer steps count, is the adapter's (``adap
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -37,6 +38,8 @@ JaxModule = Any
 
 __all__ = ["buffer_batch", "run_window", "step_forward", "train_batch"]
 
+_QUIET = contextlib.nullcontext()  # (an adapter's context that does nothing: not asked)
+
 
 def train_batch(module: JaxModule, batch: Any, batch_idx: int = 0) -> Any:
     """``training_step``: runs the compiled step on ``batch``, or buffers it for a window.
@@ -56,8 +59,10 @@ def train_batch(module: JaxModule, batch: Any, batch_idx: int = 0) -> Any:
         and (named := plan.same(batch)) is not None
     ):
         return buffer_batch(module, named, plan, time.perf_counter())
-    with adapter.steps.counted(module):  # (the port's manual optimization)
-        adapter.checkpoint.before_step(module)  # (the port: host code's in-place changes)
+    group, hooks = adapter.steps, adapter.hooks  # (adapter calls that are no-ops: skipped)
+    with group.counted(module) if group.counts else _QUIET:  # (the port's manual optimization)
+        if adapter.checkpoint.host_versions:  # (the port: host code's in-place changes)
+            adapter.checkpoint.before_step(module)
         t0 = time.perf_counter()
         raw, batch = batch, adapter.prepare(batch)
         if module._float_fields is None:  # (NaN/Inf in them: refused inside the step)
@@ -74,9 +79,7 @@ def train_batch(module: JaxModule, batch: Any, batch_idx: int = 0) -> Any:
                     f"and accum_steps={module.accum_steps}: choose one way to group steps. Fix: "
                     "keep accumulate_grad_batches and set the other two to 1."
                 )
-            ahead = adapter.hooks.outputs_ahead(
-                module, batch, len(module.accumulation.batches), raw
-            )
+            ahead = hooks.outputs_ahead(module, batch, len(module.accumulation.batches), raw)
             window = window_batch(module, batch)
             if window is None:
                 module.train_log.compute += time.perf_counter() - t0
@@ -86,27 +89,35 @@ def train_batch(module: JaxModule, batch: Any, batch_idx: int = 0) -> Any:
         else:
             jbatch, one, rows_ = adapter.one_step_view(batch, module.steps_per_call)
             micro, steps = module.accum_steps, module.steps_per_call
-            ahead = adapter.hooks.outputs_ahead(module, batch, 0, raw)
+            ahead = hooks.outputs_ahead(module, batch, 0, raw) if hooks.ahead else None
         if module._state is None and module.compiled.train is None and m == 1:
             compile_beside_init(module, one, micro, jbatch)
-        module.init_state(one)
-        before = module._trainer.global_step  # type: ignore[union-attr]
-        metrics = _run_step(module, adapter.steps.step_for(module, micro, jbatch), jbatch, one)
-        _count_steps(module, steps)
+        if module._state is None or windows.buffer:  # (else the state is current: no call)
+            module.init_state(one)
+        trainer = module._trainer
+        before = trainer.global_step  # type: ignore[union-attr]
+        metrics = _run_step(module, group.step_for(module, micro, jbatch), jbatch, one)
+        progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress  # type: ignore[union-attr]
+        for _ in range(steps):  # (Lightning's global_step advanced by the steps run)
+            progress.increment_ready()
+            progress.increment_completed()
         rows_ *= micro if m > 1 else 1
         adapter.logs.after_step(module, metrics, rows_)
         module.train_log.compute += time.perf_counter() - t0
-        if adapter.steps.logging_step(module, before):
+        if group.logging_step(module, before):
             queue_log(module, metrics, rows_)
-        return ahead if ahead is not None else outputs(module, metrics)
+        if ahead is not None or not outputs_wanted(module):
+            return ahead
+        return outputs(module, metrics)
 
 
 def _run_step(module: JaxModule, step_fn: jaxcore.Step, jbatch: Any, one: Any) -> Any:
     """One call of the step (timed while K is measured); the compile statistics logged once."""
-    with module.adapter.checked(one):
-        if module.windows.measuring(lambda: windowable(module)):
-            module._state, metrics = module.windows.timed(step_fn, module._state, jbatch)
-            if (times := module.windows.timings()) is not None:
+    adapter, windows = module.adapter, module.windows
+    with adapter.checked(one) if adapter.checks_fields else _QUIET:  # (measuring: K open)
+        if windows.auto and windows.k is None and windows.measuring(lambda: windowable(module)):
+            module._state, metrics = windows.timed(step_fn, module._state, jbatch)
+            if (times := windows.timings()) is not None:
                 _choose_k(module, times, jbatch, one)
         else:
             module._state, metrics = step_fn(module._state, jbatch)
@@ -116,14 +127,6 @@ def _run_step(module: JaxModule, step_fn: jaxcore.Step, jbatch: Any, one: Any) -
         log_to_loggers(module, {f"compile/{k}": v for k, v in compiled.stats.as_dict().items()})
     module._last_metrics = metrics
     return metrics
-
-
-def _count_steps(module: JaxModule, steps: int) -> None:
-    """Lightning's optimizer-step progress (``global_step``) advanced by ``steps``."""
-    progress = module._trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress  # type: ignore[union-attr]
-    for _ in range(steps):
-        progress.increment_ready()
-        progress.increment_completed()
 
 
 # -- K batches per call (steps_per_call="auto", see torchshell.module._windows) ---------------

@@ -238,6 +238,8 @@ class LightningAdapter(TorchAdapter):
         stacked = jax.tree.map(lambda *ts: torch.stack(ts), *batches)
         return self.place(stacked, stacked=True)
 
+    checks_fields = False  # (the module's training step skips checked)
+
     def checked(self, batch: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the traced step names its own errors
 

@@ -89,6 +89,7 @@ class LightningHooks(ModuleHooks):
         # the loop hooks the user's module overrides: run after the module's own (`run`)
         self.user_hooks = frozenset(hook for hook in LOOP_HOOKS if port.overrides(hook))
         self.lr_monitor = False  # the run has a LearningRateMonitor (trainer_attached)
+        self.ahead = True  # outputs_ahead asked (until training_step returns its loss alone)
         custom = [hook for hook in _OPTIMIZER_HOOKS if port.overrides(hook)]
         if custom and port.module.automatic_optimization:  # (manual: see LightningSteps)
             raise ConfigError(
@@ -194,6 +195,8 @@ class LightningHooks(ModuleHooks):
     def setup(self, module: Any, stage: str) -> None:
         user = self.port.module
         user.setup(stage)
+        self.ahead = True  # (asked again: see outputs_ahead)
+        module.adapter.steps.counts = not user.automatic_optimization  # (once per fit)
         if module.state is None:  # (layers its setup built: traced and trained, as in Lightning)
             self.port.refresh()
         elif layers_changed(user, self.port.tracer):
@@ -250,6 +253,7 @@ class LightningHooks(ModuleHooks):
         computes it twice per batch.
         """
         if self.port.returns_more == (False, False) and module.flags.accumulate == 1:
+            self.ahead = False  # (the module asks again when the step is traced anew)
             return None  # (the common case, known once training_step was traced)
         module.init_state(batch)  # (the first batch traces training_step: now it is known)
         if self.port.returns_more is None:  # (the state came from an eval batch: shapes only)

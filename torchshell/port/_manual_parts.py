@@ -51,6 +51,7 @@ class LightningSteps(TrainSteps):
         self.total: int | None = None  # the step count the manual plan was made for
         # compiled steps, with the Trainer values each was traced with
         self.host_steps: list[tuple[dict[str, Any], Any]] = []
+        self.counts = True  # counted asked every batch (decided at each fit's setup: manual)
 
     @property
     def manual(self) -> bool:
@@ -142,6 +143,7 @@ class LightningSteps(TrainSteps):
         (``is_last_batch``...: :mod:`torchshell.port._host_reads`); those traced with values
         that cannot come back (an earlier epoch's) are freed."""
         self.port.host_reads = {}
+        module.adapter.hooks.ahead = True  # (what training_step returns: known anew)
         jbatch = self.with_step(module, jbatch)
         if self.manual:  # (watched inside the manual step's own trace)
             super().compile_train_step(module, micro, state, jbatch)
