@@ -249,8 +249,8 @@ class Adapter:
         p = self.placement
         if self.unaligned:  # (whole on every device, flagged for the loss: ._unaligned)
             return specialise_batch(self.model_fns, unaligned_batch(batch, p), train)
-        n = self.global_rows(batch)
-        if "mask" in batch or rows(batch) != n:  # ragged: padded, with a mask of real rows
+        n = p.global_rows(local := rows(batch))  # (the batch's rows read once)
+        if "mask" in batch or local != n:  # ragged: padded, with a mask of real rows
             out = bridge.to_jax(batch, p.batch, pad_to=n, stats=p.stats)
         else:  # full: its all-true mask is made on device once, not handed over each step
             out = bridge.to_jax(batch, p.batch, stats=p.stats)

@@ -33,6 +33,7 @@ class Placement:
     def __init__(self, mesh: Mesh, data_axis: str, steps_per_call: int) -> None:
         self.mesh = mesh
         self.data_axis = data_axis
+        self.ways = int(mesh.shape[data_axis])  # devices along the data axis (read per batch)
         self.batch = jaxcore.batch_sharding(mesh, data_axis=data_axis)
         self.stacked = jaxcore.batch_sharding(
             mesh, data_axis=data_axis, steps_per_call=steps_per_call
@@ -40,11 +41,6 @@ class Placement:
         self.window = jaxcore.batch_sharding(mesh, data_axis=data_axis, steps_per_call=2)
         self.stats = bridge.new_stats()
         self._masks: dict[Any, jax.Array] = {}
-
-    @property
-    def ways(self) -> int:
-        """Devices along the data axis."""
-        return int(self.mesh.shape[self.data_axis])
 
     def global_rows(self, n: int) -> int:
         """``n`` rounded up to the data axis: the rows of the padded batch."""
